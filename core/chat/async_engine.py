@@ -1,0 +1,82 @@
+"""An asyncio front for `LLMEngine`: the model steps on a worker thread, events come back per request.
+
+The event loop only enqueues requests and reads events; every forward pass runs on the engine thread,
+which sleeps when there is no work. Events are handed to the loop with `call_soon_threadsafe`. Leaving
+the `generate` iterator early (client disconnect, cancellation, timeout) aborts the request, and its
+cache rows are freed at the engine's next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from typing import AsyncIterator
+
+from .engine import LLMEngine, TokenEvent
+from .sampler import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_step=None):
+        self.engine = engine
+        self.on_step = on_step               # called on the engine thread after each step (metrics)
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="chat-engine", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            if not self.engine.has_work():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                events = self.engine.step()
+            except Exception:   # a fault in the model must not kill the thread or leave callers hanging
+                logger.exception("engine step failed; ending every request")
+                events = self.engine.fail_all("error")
+            for ev in events:
+                self._deliver(ev)
+            if self.on_step is not None:
+                self.on_step(self.engine, events)
+
+    def _deliver(self, ev: TokenEvent) -> None:
+        target = self._queues.get(ev.request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, ev)
+
+    async def generate(self, prompt: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[TokenEvent]:
+        """Stream the events of one request until each of its samples has finished."""
+        queue: asyncio.Queue = asyncio.Queue()
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        self._queues[rid] = (asyncio.get_running_loop(), queue)   # before the engine can emit anything for it
+        try:
+            self.engine.add_request(prompt, params, rid)
+        except Exception:
+            self._queues.pop(rid, None)
+            raise
+        self._wake.set()
+        remaining = params.n
+        try:
+            while remaining:
+                ev = await queue.get()
+                if ev.finish_reason is not None:
+                    remaining -= 1
+                yield ev
+        finally:
+            self._queues.pop(rid, None)
+            if remaining:
+                self.engine.abort(rid)
+                self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=10)

@@ -1,0 +1,159 @@
+"""Convert checkpoints from other layouts into ours.
+
+    python -m core.chat.convert nanochat SRC DST [--step N] [--tokenizer PATH]
+    python -m core.chat.convert state-dict SRC DST --arch gpt2|nanochat --n-head H [--n-kv-head K]
+                                [--sequence-len L] --tokenizer gpt2|DIR|FILE.tiktoken
+
+This is the only place in the project that reads a pickle: nanochat's `tokenizer.pkl` is an
+unpickled `tiktoken.Encoding`, so only convert files you trust. Weights are read with
+`torch.load(weights_only=True)`, which does not run code.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import glob
+import logging
+import os
+import pickle
+import re
+
+import torch
+import tiktoken
+
+from .checkpoint import save_chat_model
+from .config import ChatModelConfig, CheckpointError, read_json
+from .model import build_model
+from .tokenizer import DEFAULT_PATTERN, SPECIAL_TOKENS, ChatTokenizer
+
+logger = logging.getLogger(__name__)
+
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+# buffers some nanoGPT versions store next to the weights
+_IGNORED = re.compile(r"\.attn\.(bias|masked_bias)$")
+
+
+def clean_state_dict(state: dict) -> dict[str, torch.Tensor]:
+    """Strip torch.compile's `_orig_mod.` prefix and drop non-weight buffers."""
+    out = {}
+    for k, v in state.items():
+        k = k.replace("_orig_mod.", "")
+        if not _IGNORED.search(k):
+            out[k] = v
+    return out
+
+
+def read_pickled_tokenizer(path: str) -> ChatTokenizer:
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.pkl")
+    logger.warning("unpickling %s (trusted input only: a pickle can run code)", path)
+    with open(path, "rb") as f:
+        enc = pickle.load(f)
+    if not isinstance(enc, tiktoken.Encoding):
+        raise CheckpointError(f"{path}: expected a pickled tiktoken.Encoding, got {type(enc).__name__}")
+    return ChatTokenizer.from_encoding(enc)
+
+
+def read_tokenizer(spec: str, pattern: str) -> ChatTokenizer:
+    """`gpt2` (tiktoken's GPT-2 encoding, chat special tokens appended from 50257 as seed 001 does), a directory
+    in our layout, a nanochat tokenizer.pkl, or a `.tiktoken` ranks file (special tokens appended)."""
+    if spec == "gpt2":
+        enc = tiktoken.get_encoding("gpt2")
+        return ChatTokenizer.from_ranks(enc._mergeable_ranks, enc._pat_str)
+    if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "tokenizer.tiktoken")):
+        return ChatTokenizer.from_dir(spec)
+    if spec.endswith(".pkl") or (os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "tokenizer.pkl"))):
+        return read_pickled_tokenizer(spec)
+    if os.path.isfile(spec):
+        ranks = {}
+        with open(spec, "rb") as f:
+            for line in f:
+                if line.strip():
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token)] = int(rank)
+        return ChatTokenizer.from_ranks(ranks, pattern)
+    raise CheckpointError(f"--tokenizer {spec!r}: not 'gpt2', a tokenizer directory, tokenizer.pkl or a .tiktoken file")
+
+
+def _load_into(config: ChatModelConfig, state: dict):
+    model = build_model(config)
+    expected = set(model.state_dict())
+    if config.arch == "gpt2":
+        state = dict(state)
+        state.setdefault("lm_head.weight", state.get("transformer.wte.weight"))
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"state dict does not match a {config.arch} model of these sizes "
+                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    return model
+
+
+def convert_nanochat(src: str, dst: str, step: int | None = None, tokenizer: str | None = None) -> None:
+    steps = sorted(int(m.group(1)) for p in glob.glob(os.path.join(src, "model_*.pt"))
+                   if (m := re.search(r"model_(\d+)\.pt$", p)))
+    if not steps:
+        raise CheckpointError(f"{src}: no model_<step>.pt")
+    step = steps[-1] if step is None else step
+    meta_path = [p for p in glob.glob(os.path.join(src, "meta_*.json")) if re.search(rf"meta_0*{step}\.json$", p)]
+    model_path = [p for p in glob.glob(os.path.join(src, "model_*.pt")) if re.search(rf"model_0*{step}\.pt$", p)]
+    if not meta_path or not model_path:
+        raise CheckpointError(f"{src}: no model/meta files for step {step}")
+    mc = read_json(meta_path[0])["model_config"]
+    config = ChatModelConfig(arch="nanochat", vocab_size=mc["vocab_size"], n_layer=mc["n_layer"],
+                             n_head=mc["n_head"], n_kv_head=mc.get("n_kv_head", mc["n_head"]),
+                             n_embd=mc["n_embd"], sequence_len=mc["sequence_len"])
+    state = clean_state_dict(torch.load(model_path[0], map_location="cpu", weights_only=True))
+    model = _load_into(config, state)
+    tok = read_tokenizer(tokenizer or src, DEFAULT_PATTERN)
+    save_chat_model(dst, model, tok)
+
+
+def infer_config(state: dict, arch: str, n_head: int, n_kv_head: int | None, sequence_len: int | None):
+    n_layer = 1 + max(int(m.group(1)) for k in state if (m := re.match(r"transformer\.h\.(\d+)\.", k)))
+    vocab, n_embd = state["transformer.wte.weight"].shape
+    if arch == "gpt2":
+        return ChatModelConfig(arch="gpt2", vocab_size=vocab, n_layer=n_layer, n_head=n_head, n_kv_head=n_head,
+                               n_embd=n_embd, sequence_len=state["transformer.wpe.weight"].shape[0])
+    head_dim = n_embd // n_head
+    kv = n_kv_head or state["transformer.h.0.attn.c_k.weight"].shape[0] // head_dim
+    return ChatModelConfig(arch="nanochat", vocab_size=vocab, n_layer=n_layer, n_head=n_head, n_kv_head=kv,
+                           n_embd=n_embd, sequence_len=sequence_len or 2048)
+
+
+def convert_state_dict(src: str, dst: str, arch: str, n_head: int, tokenizer: str, n_kv_head: int | None = None,
+                       sequence_len: int | None = None) -> None:
+    state = clean_state_dict(torch.load(src, map_location="cpu", weights_only=True))
+    config = infer_config(state, arch, n_head, n_kv_head, sequence_len)
+    model = _load_into(config, state)
+    tok = read_tokenizer(tokenizer, GPT2_PATTERN if arch == "gpt2" else DEFAULT_PATTERN)
+    save_chat_model(dst, model, tok)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m core.chat.convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="kind", required=True)
+    a = sub.add_parser("nanochat", help="a nanochat checkpoint directory (model_<step>.pt, meta_<step>.json)")
+    a.add_argument("src"), a.add_argument("dst")
+    a.add_argument("--step", type=int, help="which step (default: the latest)")
+    a.add_argument("--tokenizer", help="tokenizer directory or tokenizer.pkl (default: SRC/tokenizer.pkl)")
+    b = sub.add_parser("state-dict", help="a plain state_dict file like seed 001's")
+    b.add_argument("src"), b.add_argument("dst")
+    b.add_argument("--arch", choices=("gpt2", "nanochat"), required=True)
+    b.add_argument("--n-head", type=int, required=True)
+    b.add_argument("--n-kv-head", type=int)
+    b.add_argument("--sequence-len", type=int, help="nanochat arch only (gpt2 reads it from wpe)")
+    b.add_argument("--tokenizer", required=True, help="gpt2, a tokenizer directory, or a .tiktoken ranks file")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.kind == "nanochat":
+        convert_nanochat(args.src, args.dst, args.step, args.tokenizer)
+    else:
+        convert_state_dict(args.src, args.dst, args.arch, args.n_head, args.tokenizer, args.n_kv_head,
+                           args.sequence_len)
+    logger.info("wrote %s", args.dst)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,426 @@
+"""The chat engine: continuous batching over a preallocated KV cache.
+
+Design (after vLLM's v1 engine, at nanochat's scale):
+- A request is a prompt and `SamplingParams`; each of its `n` samples owns one row of the KV cache.
+- `step()` is one scheduling round: apply aborts, admit waiting requests while rows are free (FIFO,
+  so nobody starves), prefill up to `prefill_chunk` prompt tokens (several short prompts together,
+  long ones a chunk per step so running streams keep flowing), then one forward pass that decodes a
+  token for every running sample. It returns the token events of that step.
+- `n` samples of a prompt share one prefill: its keys and values are copied to the sibling rows and
+  each sample draws its own first token (seed 000 broadcast one first token to all).
+- The few-shot prefix is prefilled once; its keys and values are copied into each new request.
+- The calculator runs between steps: after `<|python_end|>` its result is forced into the row.
+- When every row is taken, new requests wait; `max_waiting` bounds the queue.
+
+`Engine` keeps seed 000's offline API (`generate`, `generate_batch`) on top of the same machinery.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .calculator import format_result, use_calculator
+from .kv_cache import CacheBatch, KVCache
+from .model import ChatModel
+from .sampler import SamplingParams, row_rng, sample
+from .tokenizer import ChatTokenizer
+
+logger = logging.getLogger(__name__)
+
+_ids = itertools.count()
+
+
+class EngineError(ValueError):
+    """A request the engine cannot take as given."""
+
+
+class EngineFull(RuntimeError):
+    """The waiting queue is full; retry later."""
+
+
+@dataclass
+class TokenEvent:
+    """One token of one sample, or the end of a sample (`finish_reason` set, `token` None)."""
+
+    request_id: str
+    index: int                      # sample index within the request
+    token: int | None
+    text: str = ""                  # text delta of this token in its segment
+    segment: str = "text"           # "text", "python" (calculator call) or "python_output" (its result)
+    forced: bool = False            # injected by the tool, not sampled
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class _Sample:
+    index: int
+    rng: object
+    decoder: object
+    row: int = -1
+    position: int = 0               # tokens of this row already in the cache
+    pending: int | None = None      # last token, not yet fed to the model
+    generated: list[int] = field(default_factory=list)
+    forced: deque = field(default_factory=deque)
+    segment: str = "text"
+    expr_tokens: list[int] = field(default_factory=list)
+    held: str = ""                  # text held back because it may begin a stop string
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_new: int
+    samples: list[_Sample]
+    prefilled: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    aborted: bool = False
+
+    @property
+    def done(self) -> bool:
+        return all(s.finish_reason for s in self.samples)
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    rows_used: int
+    rows_total: int
+    cache_tokens: int            # positions stored in the KV cache across rows
+    cache_capacity: int          # rows * sequence_len
+
+    @property
+    def cache_usage(self) -> float:
+        return self.cache_tokens / self.cache_capacity if self.cache_capacity else 0.0
+
+
+class LLMEngine:
+    def __init__(self, model: ChatModel, tokenizer: ChatTokenizer, max_rows: int = 32, prefill_chunk: int = 512,
+                 initial_cache_len: int | None = 256, prefix_ids: list[int] | None = None, max_waiting: int = 1024):
+        self.model, self.tok = model.eval(), tokenizer
+        cfg = model.config
+        self.sequence_len = cfg.sequence_len
+        self.max_rows, self.prefill_chunk, self.max_waiting = max_rows, max(1, prefill_chunk), max_waiting
+        self.device = model.get_device()
+        dtype = next(model.parameters()).dtype
+        self.cache = KVCache.for_model(cfg, max_rows, initial_cache_len, dtype=dtype, device=self.device)
+        t = tokenizer.encode_special
+        self.python_start, self.python_end = t("<|python_start|>"), t("<|python_end|>")
+        self.output_start, self.output_end = t("<|output_start|>"), t("<|output_end|>")
+        self.stop_tokens = {t("<|assistant_end|>"), tokenizer.bos_id}
+        self.free_rows: list[int] = list(range(max_rows))
+        self.waiting: deque[_Request] = deque()
+        self.prefilling: list[_Request] = []
+        self.running: list[_Request] = []
+        self.requests: dict[str, _Request] = {}
+        self._inbox: deque[_Request] = deque()
+        self._aborts: set[str] = set()
+        self._lock = threading.Lock()
+        self.prefix_ids: list[int] = []
+        self.prefix_cache: KVCache | None = None
+        if prefix_ids:
+            self.set_prefix(prefix_ids)
+
+    # ---- requests in and out (safe to call from another thread than step())
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        if not prompt:
+            raise EngineError("the prompt is empty")
+        if len(prompt) >= self.sequence_len:
+            raise EngineError(f"the prompt has {len(prompt)} tokens; the model's context is {self.sequence_len}")
+        if params.n > self.max_rows:
+            raise EngineError(f"n={params.n} exceeds the {self.max_rows} sequences this engine runs at once")
+        vocab = self.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise EngineError(f"prompt token ids must be in [0, {vocab})")
+        rid = request_id or f"req-{next(_ids)}"
+        samples = [_Sample(i, row_rng(params.seed, i), self.tok.stream_decoder()) for i in range(params.n)]
+        req = _Request(rid, list(prompt), params, min(params.max_tokens, self.sequence_len - len(prompt)), samples)
+        with self._lock:
+            if rid in self.requests:
+                raise EngineError(f"request id {rid!r} is already in use")
+            if len(self.waiting) + len(self._inbox) >= self.max_waiting:
+                raise EngineFull(f"{self.max_waiting} requests are already waiting")
+            self.requests[rid] = req
+            self._inbox.append(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its rows are freed at the next step."""
+        with self._lock:
+            if request_id in self.requests:
+                self._aborts.add(request_id)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            waiting = len(self.waiting) + len(self._inbox)
+            active = [s for r in self.prefilling + self.running for s in r.samples if s.row >= 0]
+        return EngineStats(len(self.prefilling) + len(self.running), waiting, self.max_rows - len(self.free_rows),
+                           self.max_rows, sum(s.position for s in active), self.max_rows * self.sequence_len)
+
+    # ---- the few-shot prefix
+    @torch.inference_mode()
+    def set_prefix(self, prefix_ids: list[int]) -> None:
+        """Prefill `prefix_ids` once; prompts that start with them copy its keys and values."""
+        cfg = self.model.config
+        cache = KVCache.for_model(cfg, 1, len(prefix_ids), dtype=self.cache.dtype, device=self.device)
+        ids = torch.tensor([prefix_ids], device=self.device)
+        self.model(ids, CacheBatch.build(cache, [0], [0], len(prefix_ids)), last=torch.tensor([0], device=self.device))
+        self.prefix_ids, self.prefix_cache = list(prefix_ids), cache
+
+    # ---- one scheduling round
+    @torch.inference_mode()
+    def step(self) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+            while self._inbox:
+                self.waiting.append(self._inbox.popleft())
+        for rid in aborts:
+            self._abort(rid, events)
+        self._admit()
+        if self.prefilling:
+            self._prefill(events)
+        decoding = [(r, s) for r in self.running for s in r.samples if not s.finish_reason]
+        if decoding:
+            self._decode(decoding, events)
+        self._retire()
+        return events
+
+    def _abort(self, rid: str, events: list[TokenEvent]) -> None:
+        req = self.requests.get(rid)
+        if req is None or req.done:
+            return
+        req.aborted = True
+        if req in self.waiting:
+            self.waiting.remove(req)
+        for s in req.samples:
+            if not s.finish_reason:
+                self._finish(req, s, "abort", events)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.free_rows) >= self.waiting[0].params.n:
+            req = self.waiting.popleft()
+            for s in req.samples:
+                s.row = self.free_rows.pop(0)
+            n = len(self.prefix_ids)
+            if n and len(req.prompt) > n and req.prompt[:n] == self.prefix_ids:
+                self.cache.ensure_capacity(n)
+                self.cache.load_prefix(self.prefix_cache, req.samples[0].row, n)
+                req.prefilled = n
+            self.prefilling.append(req)
+
+    def _prefill(self, events: list[TokenEvent]) -> None:
+        budget, batch = self.prefill_chunk, []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            take = min(budget, len(req.prompt) - req.prefilled)
+            batch.append((req, take))
+            budget -= take
+        T = max(take for _, take in batch)
+        ids = torch.zeros(len(batch), T, dtype=torch.long)
+        for j, (req, take) in enumerate(batch):
+            ids[j, :take] = torch.tensor(req.prompt[req.prefilled:req.prefilled + take])
+        rows = [req.samples[0].row for req, _ in batch]
+        start = [req.prefilled for req, _ in batch]
+        # right padding: a padded position lies beyond its row's prompt, is masked for that row's queries and is
+        # overwritten before the row ever reaches it.
+        cb = CacheBatch.build(self.cache, rows, start, T)
+        last = torch.tensor([take - 1 for _, take in batch], device=self.device)
+        logits = self.model(ids.to(self.device), cb, last=last)
+        finished = []
+        for j, (req, take) in enumerate(batch):
+            req.prefilled += take
+            if req.prefilled == len(req.prompt):
+                finished.append((j, req))
+        if not finished:
+            return
+        # each sample of a finished prompt draws its own first token from the prompt's last logits
+        rows_logits, targets = [], []
+        for j, req in finished:
+            self.cache.copy_rows(req.samples[0].row, [s.row for s in req.samples[1:]], len(req.prompt))
+            for s in req.samples:
+                s.position = len(req.prompt)
+                rows_logits.append(j)
+                targets.append((req, s))
+            self.prefilling.remove(req)
+            self.running.append(req)
+        tokens = self._sample(logits[torch.tensor(rows_logits, device=self.device)], targets)
+        for (req, s), tok in zip(targets, tokens):
+            self._accept(req, s, tok, False, events)
+
+    def _sample(self, logits: torch.Tensor, targets: list[tuple[_Request, _Sample]]) -> list[int]:
+        ps = [r.params for r, _ in targets]
+        return sample(logits, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
+                      [s.rng.random() for _, s in targets]).tolist()
+
+    def _decode(self, decoding: list[tuple[_Request, _Sample]], events: list[TokenEvent]) -> None:
+        decoding.sort(key=lambda rs: rs[1].row)
+        ids = torch.tensor([[s.pending] for _, s in decoding], device=self.device)
+        cb = CacheBatch.build(self.cache, [s.row for _, s in decoding], [s.position for _, s in decoding], 1)
+        logits = self.model(ids, cb, last=torch.zeros(len(decoding), dtype=torch.long, device=self.device))
+        sampled = self._sample(logits, decoding)
+        for (req, s), tok in zip(decoding, sampled):
+            s.position += 1
+            if s.forced:
+                self._accept(req, s, s.forced.popleft(), True, events)
+            else:
+                self._accept(req, s, tok, False, events)
+
+    # ---- per-token bookkeeping: tool state machine, text, stop conditions
+    def _accept(self, req: _Request, s: _Sample, tok: int, forced: bool, events: list[TokenEvent]) -> None:
+        s.generated.append(tok)
+        s.pending = tok
+        if tok in self.stop_tokens:
+            self._finish(req, s, "stop", events)
+            return
+        text, segment = "", s.segment
+        if tok == self.python_start:
+            text = self._flush_text(s)
+            s.segment, s.expr_tokens = "python", []
+        elif tok == self.python_end and s.segment == "python":
+            text = s.decoder.flush()
+            s.segment = "text"
+            value = use_calculator(self.tok.decode(s.expr_tokens))
+            if value is not None:
+                s.forced.extend([self.output_start, *self.tok.encode(format_result(value)), self.output_end])
+        elif tok == self.output_start:
+            text = self._flush_text(s)
+            s.segment = "python_output"
+        elif tok == self.output_end and s.segment == "python_output":
+            text = s.decoder.flush()
+            s.segment = "text"
+        else:
+            delta = s.decoder.feed(tok)
+            if s.segment == "python":
+                s.expr_tokens.append(tok)
+            if s.segment == "text" and req.params.stop:
+                text, hit = self._check_stop(s, delta, req.params.stop)
+                if hit:
+                    events.append(self._event(req, s, tok, text, "text", forced))
+                    self._finish(req, s, "stop", events, flush=False)
+                    return
+            else:
+                text = delta
+        events.append(self._event(req, s, tok, text, segment, forced))
+        if len(s.generated) >= req.max_new or s.position + 1 >= self.sequence_len:
+            self._finish(req, s, "length", events)
+
+    @staticmethod
+    def _check_stop(s: _Sample, delta: str, stops: list[str]) -> tuple[str, bool]:
+        """-> (text safe to emit, whether a stop string was hit). Holds back a tail that may begin a stop string."""
+        buf = s.held + delta
+        hits = [i for i in (buf.find(stop) for stop in stops) if i >= 0]
+        if hits:
+            s.held = ""
+            return buf[:min(hits)], True
+        hold = 0
+        for stop in stops:
+            for n in range(min(len(stop) - 1, len(buf)), 0, -1):
+                if buf.endswith(stop[:n]):
+                    hold = max(hold, n)
+                    break
+        s.held = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold], False
+
+    @staticmethod
+    def _flush_text(s: _Sample) -> str:
+        text = s.held + s.decoder.flush()
+        s.held = ""
+        return text
+
+    def _event(self, req, s, tok, text, segment, forced, finish=None) -> TokenEvent:
+        return TokenEvent(req.id, s.index, tok, text, segment, forced, finish, len(req.prompt), len(s.generated))
+
+    def _finish(self, req: _Request, s: _Sample, reason: str, events: list[TokenEvent], flush: bool = True) -> None:
+        tail = self._flush_text(s) if flush else ""
+        s.finish_reason = reason
+        events.append(self._event(req, s, None, tail, s.segment if tail else "text", False, reason))
+
+    def _retire(self) -> None:
+        """Free the rows of finished samples and forget finished requests."""
+        for req in list(self.prefilling) + list(self.running):
+            for s in req.samples:
+                if s.finish_reason and s.row >= 0:
+                    self.free_rows.append(s.row)
+                    s.row = -1
+            if req.done:
+                (self.prefilling if req in self.prefilling else self.running).remove(req)
+        self.free_rows.sort()
+        with self._lock:
+            for rid in [rid for rid, r in self.requests.items() if r.done]:
+                del self.requests[rid]
+
+    def fail_all(self, reason: str = "error") -> list[TokenEvent]:
+        """End every request (after a fault in the model); the engine stays usable."""
+        events: list[TokenEvent] = []
+        with self._lock:
+            while self._inbox:
+                self.waiting.append(self._inbox.popleft())
+            self._aborts.clear()
+        for req in list(self.waiting) + self.prefilling + self.running:
+            for s in req.samples:
+                if not s.finish_reason:
+                    s.held = ""
+                    s.finish_reason = reason
+                    events.append(self._event(req, s, None, "", "text", False, reason))
+        self.waiting.clear()
+        self._retire()
+        return events
+
+
+class Engine:
+    """Seed 000's offline API: `generate` yields (token_column, token_masks) per step for `num_samples` rows of
+    one prompt; `generate_batch` returns the finished sequences. A row that has ended repeats its terminal
+    token with mask 0 in later columns (generate_batch drops it)."""
+
+    def __init__(self, model: ChatModel, tokenizer: ChatTokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    def generate(self, tokens: list[int], num_samples: int = 1, max_tokens: int | None = None,
+                 temperature: float = 1.0, top_k: int | None = None, seed: int = 42):
+        assert isinstance(tokens, list) and isinstance(tokens[0], int), "expecting list of ints"
+        engine = LLMEngine(self.model, self.tokenizer, max_rows=num_samples, prefill_chunk=len(tokens))
+        max_tokens = max_tokens or (self.model.config.sequence_len - len(tokens))
+        rid = engine.add_request(tokens, SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                                         seed=seed, n=num_samples))
+        last = [None] * num_samples
+        while engine.has_work():
+            column, masks, produced = list(last), [0] * num_samples, False
+            for ev in engine.step():
+                if ev.request_id == rid and ev.token is not None:
+                    column[ev.index], masks[ev.index] = ev.token, 0 if ev.forced else 1
+                    last[ev.index], produced = ev.token, True
+            if produced:
+                yield column, masks
+
+    def generate_batch(self, tokens: list[int], num_samples: int = 1, **kwargs):
+        terminal = {self.tokenizer.encode_special("<|assistant_end|>"), self.tokenizer.bos_id}
+        results = [list(tokens) for _ in range(num_samples)]
+        masks = [[0] * len(tokens) for _ in range(num_samples)]
+        completed = [False] * num_samples
+        for column, column_masks in self.generate(tokens, num_samples, **kwargs):
+            for i, (tok, mask) in enumerate(zip(column, column_masks)):
+                if completed[i] or tok is None:
+                    continue
+                if tok in terminal:
+                    completed[i] = True
+                else:
+                    results[i].append(tok)
+                    masks[i].append(mask)
+        return results, masks

@@ -1,0 +1,102 @@
+"""A preallocated key/value cache with one row per running sequence.
+
+Layout per layer: (rows, kv_heads, capacity, head_dim). The model writes a batch's keys and values
+at each row's own positions and attends over the prefix of its rows; the engine, not the model,
+owns the per-row lengths. Capacity starts small and grows (by allocating and copying, so contents
+survive: seed 000 used `resize_`, which scrambles them) up to the model's sequence length; the
+number of rows is fixed, which is what bounds memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCache:
+    def __init__(self, n_layer: int, rows: int, n_kv_head: int, head_dim: int, max_len: int,
+                 initial_len: int | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        self.n_layer, self.rows, self.n_kv_head, self.head_dim = n_layer, rows, n_kv_head, head_dim
+        self.max_len = max_len
+        self.dtype, self.device = dtype, torch.device(device)
+        cap = min(max_len, initial_len or max_len)
+        self.k = torch.zeros(n_layer, rows, n_kv_head, cap, head_dim, dtype=dtype, device=self.device)
+        self.v = torch.zeros_like(self.k)
+
+    @classmethod
+    def for_model(cls, config, rows: int, initial_len: int | None = None, dtype=torch.float32,
+                  device="cpu") -> "KVCache":
+        return cls(config.n_layer, rows, config.n_kv_head, config.head_dim, config.sequence_len,
+                   initial_len, dtype, device)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def ensure_capacity(self, length: int) -> None:
+        """Make room for positions < length, keeping what is stored."""
+        if length <= self.capacity:
+            return
+        if length > self.max_len:
+            raise ValueError(f"KV cache length {length} exceeds the model's sequence length {self.max_len}")
+        new_cap = min(self.max_len, max(length, 2 * self.capacity))
+        shape = (self.n_layer, self.rows, self.n_kv_head, new_cap, self.head_dim)
+        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
+        k[:, :, :, :self.capacity] = self.k
+        v[:, :, :, :self.capacity] = self.v
+        self.k, self.v = k, v
+
+    def copy_rows(self, src: int, dsts: list[int], length: int) -> None:
+        """Copy the first `length` positions of row `src` into each row in `dsts` (n samples, one prefill)."""
+        if not dsts or length == 0:
+            return
+        idx = torch.tensor(dsts, device=self.device)
+        self.k[:, idx, :, :length] = self.k[:, src:src + 1, :, :length]
+        self.v[:, idx, :, :length] = self.v[:, src:src + 1, :, :length]
+
+    def load_prefix(self, prefix: "KVCache", row: int, length: int) -> None:
+        """Copy a prefilled prefix (row 0 of `prefix`) into `row`."""
+        self.k[:, row, :, :length] = prefix.k[:, 0, :, :length]
+        self.v[:, row, :, :length] = prefix.v[:, 0, :, :length]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+@dataclass
+class CacheBatch:
+    """Where one forward pass reads and writes in the cache: computed once per pass, shared by every layer."""
+
+    cache: KVCache
+    rows: torch.Tensor            # (B,) row of each batch entry
+    row_slice: slice | None       # the same rows as a slice when they are contiguous and ascending (no gather)
+    positions: torch.Tensor       # (B, T) absolute position of each input token
+    mask: torch.Tensor            # (B, 1, T, L) True where a query may attend
+    length: int                   # L: keys read per row
+
+    @classmethod
+    def build(cls, cache: KVCache, rows: list[int], start: list[int], T: int) -> "CacheBatch":
+        device = cache.device
+        end = min(max(start) + T, cache.max_len)
+        cache.ensure_capacity(end)
+        rows_t = torch.tensor(rows, device=device)
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        # Right-padded batches may run past the end of the cache with padding tokens: those positions are
+        # clamped onto the last slot, which lies beyond every real token of the row and is overwritten before use.
+        positions = torch.tensor(start, device=device)[:, None] + torch.arange(T, device=device)[None, :]
+        positions = positions.clamp_(max=cache.max_len - 1)
+        mask = torch.arange(end, device=device)[None, None, :] <= positions[:, :, None]
+        return cls(cache, rows_t, slice(rows[0], rows[0] + len(rows)) if contiguous else None, positions,
+                   mask[:, None], end)
+
+    def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: (B, Hkv, T, D) for the new tokens -> keys and values (B, Hkv, L, D) of each row so far."""
+        K, V = self.cache.k[layer], self.cache.v[layer]
+        idx = (self.rows[:, None], slice(None), self.positions)
+        K[idx] = k.transpose(1, 2).to(K.dtype)
+        V[idx] = v.transpose(1, 2).to(V.dtype)
+        if self.row_slice is not None:
+            return K[self.row_slice, :, :self.length], V[self.row_slice, :, :self.length]
+        return K[self.rows, :, :self.length], V[self.rows, :, :self.length]

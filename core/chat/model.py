@@ -1,0 +1,207 @@
+"""The two chat architectures, written for serving: every forward can read and write a shared KV cache.
+
+- `NanoChatGPT`: nanochat's GPT (rotary embeddings, QK-norm, parameter-free RMSNorm also right after
+  the embedding, relu^2 MLP, no biases, grouped-query attention, untied head, logit softcap).
+- `GPT2`: the GPT-2 / nanoGPT architecture (learned positions, LayerNorm with bias, GELU, tied head),
+  for checkpoints like seed 001's.
+
+Both are called as `model(ids)` -> logits (B, T, vocab) for a plain causal pass, or with
+`cache=CacheBatch` to run a batch whose rows sit at different positions of a KV cache.
+Parameter names follow nanochat / nanoGPT so their checkpoints load after stripping `_orig_mod.`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ChatModelConfig
+from .kv_cache import CacheBatch
+
+
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x.float(), (x.size(-1),), eps=eps).type_as(x)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: CacheBatch | None) -> torch.Tensor:
+    """q (B, H, T, D), k/v (B, Hkv, T, D) -> (B, H, T, D); causal, through the cache when given."""
+    gqa = q.size(1) != k.size(1)
+    if cache is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    keys, values = cache.write_and_read(layer, k, v)
+    return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=cache.mask,
+                                          enable_gqa=gqa)
+
+
+class ChatModel(nn.Module):
+    """Shared calling convention of both architectures."""
+
+    config: ChatModelConfig
+
+    def get_device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def positions(self, ids: torch.Tensor, cache: CacheBatch | None) -> torch.Tensor:
+        if cache is None:
+            return torch.arange(ids.size(1), device=ids.device)[None, :].expand(ids.size(0), -1)
+        return cache.positions
+
+    def forward(self, ids: torch.Tensor, cache: CacheBatch | None = None,
+                last: torch.Tensor | None = None) -> torch.Tensor:
+        """ids (B, T) -> logits (B, T, V) in fp32; with `last` (B,) index per row, only those positions: (B, V)."""
+        x = self.hidden(ids, cache)
+        if last is not None:
+            x = x[torch.arange(x.size(0), device=x.device), last]
+        return self.logits(x)
+
+
+class NanoChatAttention(nn.Module):
+    def __init__(self, cfg: ChatModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        D = cfg.head_dim
+        self.c_q = nn.Linear(cfg.n_embd, cfg.n_head * D, bias=False)
+        self.c_k = nn.Linear(cfg.n_embd, cfg.n_kv_head * D, bias=False)
+        self.c_v = nn.Linear(cfg.n_embd, cfg.n_kv_head * D, bias=False)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x, cos, sin, cache):
+        B, T, _ = x.shape
+        D, eps = self.cfg.head_dim, self.cfg.rms_norm_eps
+        q = self.c_q(x).view(B, T, self.cfg.n_head, D)
+        k = self.c_k(x).view(B, T, self.cfg.n_kv_head, D)
+        v = self.c_v(x).view(B, T, self.cfg.n_kv_head, D)
+        q, k = rms_norm(rotate(q, cos, sin), eps), rms_norm(rotate(k, cos, sin), eps)
+        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.layer, cache)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on (B, T, H, D) with cos/sin (B, T, 1, D/2), nanochat's half-split convention."""
+    d = x.size(-1) // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
+
+
+class NanoChatMLP(nn.Module):
+    def __init__(self, cfg: ChatModelConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class NanoChatBlock(nn.Module):
+    def __init__(self, cfg: ChatModelConfig, layer: int):
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.attn = NanoChatAttention(cfg, layer)
+        self.mlp = NanoChatMLP(cfg)
+
+    def forward(self, x, cos, sin, cache):
+        x = x + self.attn(rms_norm(x, self.eps), cos, sin, cache)
+        return x + self.mlp(rms_norm(x, self.eps))
+
+
+class NanoChatGPT(ChatModel):
+    def __init__(self, config: ChatModelConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(config.vocab_size, config.n_embd),
+            "h": nn.ModuleList(NanoChatBlock(config, i) for i in range(config.n_layer)),
+        })
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        D = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+        freqs = torch.outer(torch.arange(config.sequence_len, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def hidden(self, ids, cache=None):
+        pos = self.positions(ids, cache)
+        cos, sin = self.cos[pos][:, :, None, :], self.sin[pos][:, :, None, :]
+        eps = self.config.rms_norm_eps
+        x = rms_norm(self.transformer.wte(ids), eps)
+        for block in self.transformer.h:
+            x = block(x, cos, sin, cache)
+        return rms_norm(x, eps)
+
+    def logits(self, x):
+        logits = self.lm_head(x).float()
+        cap = self.config.logit_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, cfg: ChatModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x, cache):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.cfg.n_head, self.cfg.head_dim).transpose(1, 2)
+                   for t in self.c_attn(x).split(C, dim=2))
+        y = attend(q, k, v, self.layer, cache)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg: ChatModelConfig, layer: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+        self.attn = GPT2Attention(cfg, layer)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(cfg.n_embd, 4 * cfg.n_embd),
+                                  "c_proj": nn.Linear(4 * cfg.n_embd, cfg.n_embd)})
+        self.approximate = cfg.gelu_approximate
+
+    def forward(self, x, cache):
+        x = x + self.attn(self.ln_1(x), cache)
+        h = F.gelu(self.mlp["c_fc"](self.ln_2(x)), approximate=self.approximate)
+        return x + self.mlp["c_proj"](h)
+
+
+class GPT2(ChatModel):
+    def __init__(self, config: ChatModelConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(config.vocab_size, config.n_embd),
+            "wpe": nn.Embedding(config.sequence_len, config.n_embd),
+            "h": nn.ModuleList(GPT2Block(config, i) for i in range(config.n_layer)),
+            "ln_f": nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps),
+        })
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight   # tied
+
+    def hidden(self, ids, cache=None):
+        x = self.transformer.wte(ids) + self.transformer.wpe(self.positions(ids, cache))
+        for block in self.transformer.h:
+            x = block(x, cache)
+        return self.transformer.ln_f(x)
+
+    def logits(self, x):
+        return self.lm_head(x).float()
+
+
+def build_model(config: ChatModelConfig) -> ChatModel:
+    return NanoChatGPT(config) if config.arch == "nanochat" else GPT2(config)
+
+
+def init_weights(model: ChatModel, seed: int = 0, std: float = 0.02) -> ChatModel:
+    """Random weights for tests and fresh training runs (deterministic for a seed)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model

@@ -1,0 +1,86 @@
+"""Batched sampling where every row has its own temperature, top-k, top-p and random stream.
+
+Each row draws exactly one uniform number per token from its own `random.Random`, and the token is
+picked by inverse-CDF over the row's filtered distribution. A seeded request therefore samples the
+same tokens whether it runs alone or beside others: its draws never depend on the batch. All
+per-token work on the vocabulary is a tensor op over the whole batch.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SamplingError(ValueError):
+    """Sampling parameters out of range."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0      # 0 is greedy
+    top_k: int | None = None      # None or 0: no top-k filter
+    top_p: float = 1.0
+    seed: int | None = None
+    n: int = 1                    # samples of one prompt, sharing its prefill
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise SamplingError(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k is not None and self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.n < 1:
+            raise SamplingError(f"n must be at least 1, got {self.n}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingError("stop strings must be non-empty strings")
+
+
+def row_rng(seed: int | None, sample_index: int) -> random.Random:
+    """The random stream of one sample: reproducible for a seed, fresh entropy otherwise."""
+    if seed is None:
+        return random.Random()
+    return random.Random(f"{seed}:{sample_index}")
+
+
+def sample(logits: torch.Tensor, temperature: list[float], top_k: list[int | None], top_p: list[float],
+           uniforms: list[float]) -> torch.Tensor:
+    """logits (B, V) -> token ids (B,). One uniform draw per row decides that row's token."""
+    B, V = logits.shape
+    device = logits.device
+    logits = logits.float()
+    if all(t == 0.0 for t in temperature):
+        return logits.argmax(dim=-1)
+    temp = torch.tensor([t if t > 0 else 1.0 for t in temperature], device=device)[:, None]
+    scaled = logits / temp
+    ks = [k if k else V for k in top_k]
+    need_filter = any(k < V for k in ks) or any(p < 1.0 for p in top_p)
+    if need_filter:
+        width = max(ks) if all(p >= 1.0 for p in top_p) else V
+        vals, idx = torch.topk(scaled, min(width, V), dim=-1)   # sorted, descending
+        probs = torch.softmax(vals, dim=-1)
+        rank = torch.arange(vals.size(1), device=device)[None, :]
+        keep = rank < torch.tensor(ks, device=device)[:, None]
+        before = probs.cumsum(dim=-1) - probs                    # mass of the higher-ranked tokens
+        keep &= before < torch.tensor(top_p, device=device)[:, None]
+        probs = probs * keep
+    else:
+        idx = None
+        probs = torch.softmax(scaled, dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    u = torch.tensor(uniforms, device=device, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
+    choice = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.size(1) - 1)
+    # a kept token always exists (rank 0); guard against landing on a zero-probability tail slot
+    choice = torch.minimum(choice, (probs > 0).sum(-1, keepdim=True) - 1) if need_filter else choice
+    tokens = idx.gather(1, choice) if idx is not None else choice
+    tokens = tokens[:, 0]
+    if any(t == 0.0 for t in temperature):
+        greedy = torch.tensor([t == 0.0 for t in temperature], device=device)
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    return tokens

@@ -1,0 +1,70 @@
+"""Shared fixtures: a tokenizer trained here with rustbpe and tiny random-weight chat models. No downloads."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from core.chat import ChatDefaults, ChatModelConfig, ChatTokenizer, build_model, save_chat_model
+from core.chat.model import init_weights
+
+WORDS = ("the cat dog sat on a mat red blue green what is capital of france paris hello how are you "
+         "number plus minus times answer question river mountain city country small large").split()
+UNICODE = ("héllo", "naïve", "日本語", "café", "привет", "😀", "Zürich", "ελληνικά")
+
+
+def corpus(n: int = 3000, seed: int = 0):
+    rng = random.Random(seed)
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 12))]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 99999)))
+        if rng.random() < 0.2:
+            words.append(rng.choice(UNICODE))
+        yield " ".join(words) + rng.choice([".", "?", "!", "\n"])
+
+
+def train_tokenizer(vocab_size: int = 512) -> ChatTokenizer:
+    import rustbpe
+
+    bpe = rustbpe.Tokenizer()
+    bpe.train_from_iterator(corpus(), vocab_size - 9)
+    ranks = {bytes(tok): rank for tok, rank in bpe.get_mergeable_ranks()}
+    return ChatTokenizer.from_ranks(ranks, bpe.get_pattern())
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> ChatTokenizer:
+    return train_tokenizer()
+
+
+def tiny_config(arch: str, tokenizer: ChatTokenizer, **kw) -> ChatModelConfig:
+    base = dict(arch=arch, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4,
+                n_kv_head=2 if arch == "nanochat" else 4, n_embd=64, sequence_len=256)
+    base.update(kw)
+    return ChatModelConfig(**base)
+
+
+def tiny_model(arch: str, tokenizer: ChatTokenizer, seed: int = 0, std: float = 0.5, **kw):
+    # a large init std gives peaked, varied next-token distributions, so greedy runs are not full of ties
+    torch.manual_seed(seed)
+    return init_weights(build_model(tiny_config(arch, tokenizer, **kw)), seed=seed, std=std).eval()
+
+
+@pytest.fixture(scope="session")
+def nanochat_model(tokenizer):
+    return tiny_model("nanochat", tokenizer)
+
+
+@pytest.fixture(scope="session")
+def gpt2_model(tokenizer):
+    return tiny_model("gpt2", tokenizer, seed=1, std=0.2)
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory, tokenizer, nanochat_model):
+    path = tmp_path_factory.mktemp("chat_ckpt")
+    fewshot = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello how are you"}]
+    save_chat_model(str(path), nanochat_model, tokenizer, ChatDefaults(fewshot=fewshot, max_tokens=32))
+    return str(path)

@@ -193,9 +193,10 @@ class LLMEngine:
         for rid in aborts:
             self._abort(rid, events)
         self._admit()
+        # every sample gets at most one token per step: prompts that finish prefilling now start decoding next step
+        decoding = [(r, s) for r in self.running for s in r.samples if not s.finish_reason]
         if self.prefilling:
             self._prefill(events)
-        decoding = [(r, s) for r in self.running for s in r.samples if not s.finish_reason]
         if decoding:
             self._decode(decoding, events)
         self._retire()

@@ -1,0 +1,237 @@
+"""Continuous batching: batched runs against single-request runs, seeds, cancellation, tools, stop strings."""
+import asyncio
+
+import pytest
+import torch
+
+from core.chat import Engine, EngineError, EngineFull, LLMEngine, SamplingParams
+from core.chat.async_engine import AsyncEngine
+from tests.conftest import tiny_model
+
+
+def run_alone(model, tokenizer, prompt, params):
+    engine = LLMEngine(model, tokenizer, max_rows=params.n)
+    engine.add_request(prompt, params, "solo")
+    return collect(engine)["solo"]
+
+
+def collect(engine, on_step=None):
+    """Run the engine dry; -> {request_id: {sample_index: [tokens]}} (terminal tokens included)."""
+    out = {}
+    step = 0
+    while engine.has_work():
+        if on_step:
+            on_step(step, engine)
+        for ev in engine.step():
+            if ev.token is not None:
+                out.setdefault(ev.request_id, {}).setdefault(ev.index, []).append(ev.token)
+        step += 1
+    return out
+
+
+def prompts(n, seed=0, vocab=500):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(3, 60, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def test_greedy_joining_at_different_steps_equals_alone(nanochat_model, tokenizer):
+    """8 prompts of different lengths, added at different steps, chunked prefill: each equals its solo run."""
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    ps = prompts(8)
+    solo = {f"r{i}": run_alone(nanochat_model, tokenizer, p, params) for i, p in enumerate(ps)}
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=5, prefill_chunk=40, initial_cache_len=16)
+
+    def add(step, eng):
+        for i, p in enumerate(ps):
+            if step == 3 * i:
+                eng.add_request(p, params, f"r{i}")
+
+    add(0, engine)
+    batched = collect(engine, on_step=lambda s, e: add(s + 1, e) if s + 1 <= 21 else None)
+    assert batched == solo
+    assert all(len(v[0]) >= 1 for v in solo.values())
+
+
+@pytest.mark.parametrize("top_k,top_p", [(None, 1.0), (20, 1.0), (None, 0.8), (50, 0.9)])
+def test_seeded_sampling_same_alone_and_batched(nanochat_model, tokenizer, top_k, top_p):
+    ps = prompts(4, seed=1)
+    params = [SamplingParams(max_tokens=20, temperature=1.0, top_k=top_k, top_p=top_p, seed=100 + i) for i in range(4)]
+    solo = [run_alone(nanochat_model, tokenizer, p, sp) for p, sp in zip(ps, params)]
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=8)
+    for i, (p, sp) in enumerate(zip(ps, params)):
+        engine.add_request(p, sp, f"r{i}")
+    # unrelated, unseeded traffic in the same batch
+    engine.add_request(ps[0], SamplingParams(max_tokens=20, temperature=1.0), "noise")
+    batched = collect(engine)
+    assert [batched[f"r{i}"] for i in range(4)] == solo
+
+
+def test_n_samples_share_prefill_and_differ(nanochat_model, tokenizer):
+    p = prompts(1, seed=2)[0]
+    out = run_alone(nanochat_model, tokenizer, p, SamplingParams(max_tokens=12, temperature=1.5, seed=7, n=4))
+    firsts = {tuple(v[:1]) for v in out.values()}
+    assert len(out) == 4
+    assert len({tuple(v) for v in out.values()}) > 1
+    assert len(firsts) > 1, "each sample must draw its own first token"
+
+
+def test_cancel_frees_rows_for_waiting_request(nanochat_model, tokenizer):
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=2)
+    long = SamplingParams(max_tokens=200, temperature=0.0)
+    engine.add_request([1, 2, 3], long, "a")
+    engine.add_request([4, 5, 6], long, "b")
+    engine.add_request([7, 8, 9], SamplingParams(max_tokens=3, temperature=0.0), "waiter")
+    for _ in range(3):
+        engine.step()
+    assert engine.stats().waiting == 1 and engine.stats().rows_used == 2
+    engine.abort("a")
+    events = engine.step()
+    assert any(ev.request_id == "a" and ev.finish_reason == "abort" for ev in events)
+    seen = []
+    for _ in range(5):
+        seen += engine.step()
+    assert any(ev.request_id == "waiter" and ev.token is not None for ev in seen)
+
+
+def test_bounded_queue_and_bad_requests(nanochat_model, tokenizer):
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=2, max_waiting=2)
+    engine.add_request([1], SamplingParams(), "x")
+    engine.add_request([1], SamplingParams(), "y")
+    with pytest.raises(EngineFull):
+        engine.add_request([1], SamplingParams(), "z")
+    with pytest.raises(EngineError, match="n=3"):
+        LLMEngine(nanochat_model, tokenizer, max_rows=2).add_request([1], SamplingParams(n=3))
+    with pytest.raises(EngineError, match="context"):
+        engine.add_request([1] * 300, SamplingParams())
+
+
+def test_generation_runs_to_sequence_len(nanochat_model, tokenizer):
+    """A request that reaches the context end stops with 'length', and its tokens equal an uncached greedy run."""
+    p = prompts(1, seed=3)[0][:10]
+    model = tiny_model("nanochat", tokenizer)
+    with torch.no_grad():   # never predict a special token, so the run must reach the end of the context
+        model.lm_head.weight[min(tokenizer.special_tokens.values()):] = 0.0
+    nanochat_model = model
+    engine = LLMEngine(model, tokenizer, max_rows=1, initial_cache_len=16)
+    engine.add_request(p, SamplingParams(max_tokens=1000, temperature=0.0), "r")
+    events = [ev for _ in range(400) for ev in engine.step()]
+    finish = [ev.finish_reason for ev in events if ev.finish_reason]
+    toks = [ev.token for ev in events if ev.token is not None]
+    assert finish == ["length"]
+    assert len(p) + len(toks) == nanochat_model.config.sequence_len
+    ids = list(p)
+    with torch.no_grad():
+        for tok in toks:
+            assert nanochat_model(torch.tensor([ids]))[0, -1].argmax().item() == tok
+            ids.append(tok)
+
+
+def test_offline_engine_api(nanochat_model, tokenizer):
+    p = prompts(1, seed=4)[0]
+    engine = Engine(nanochat_model, tokenizer)
+    columns = list(engine.generate(p, num_samples=3, max_tokens=8, temperature=0.0))
+    assert len(columns) == 8 and all(len(c) == 3 and len(m) == 3 for c, m in columns)
+    assert all(c[0] == c[1] == c[2] for c, _ in columns)   # greedy samples agree
+    results, masks = engine.generate_batch(p, num_samples=2, max_tokens=8, temperature=0.0)
+    assert results[0][:len(p)] == p and len(results[0]) == len(masks[0])
+
+
+def test_async_engine_streams_and_aborts(nanochat_model, tokenizer):
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=1)
+    aengine = AsyncEngine(engine)
+
+    async def main():
+        agen = aengine.generate([1, 2, 3], SamplingParams(max_tokens=200, temperature=0.0))
+        got = 0
+        async for ev in agen:
+            got += 1
+            if got == 3:
+                break
+        await agen.aclose()
+        # the one row is freed, so a second request completes
+        events = [ev async for ev in aengine.generate([4, 5], SamplingParams(max_tokens=4, temperature=0.0))]
+        return got, events
+
+    try:
+        got, events = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        aengine.shutdown()
+    assert got == 3
+    assert events[-1].finish_reason in ("length", "stop")
+
+
+class ScriptedModel(torch.nn.Module):
+    """A stand-in model that emits a fixed token script (greedy), for tool and stop-string tests."""
+
+    def __init__(self, config, script):
+        super().__init__()
+        self.config, self.script = config, script
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def get_device(self):
+        return torch.device("cpu")
+
+    def forward(self, ids, cache=None, last=None):
+        B = ids.size(0)
+        pos = cache.positions[torch.arange(B), last] if cache is not None else torch.full((B,), ids.size(1) - 1)
+        logits = torch.zeros(B, self.config.vocab_size)
+        for b in range(B):
+            k = int(pos[b]) + 1 - self.prompt_len
+            logits[b, self.script[min(k, len(self.script) - 1)]] = 10.0
+        return logits
+
+
+def scripted_engine(tokenizer, text_parts, prompt_len=3):
+    from tests.conftest import tiny_config
+
+    script = []
+    for kind, text in text_parts:
+        if kind == "special":
+            script.append(tokenizer.encode_special(text))
+        else:
+            script += tokenizer.encode(text)
+    model = ScriptedModel(tiny_config("nanochat", tokenizer), script)
+    model.prompt_len = prompt_len
+    return LLMEngine(model, tokenizer, max_rows=2), script
+
+
+def test_calculator_output_is_forced(tokenizer):
+    parts = [("text", "the answer is"), ("special", "<|python_start|>"), ("text", "12*(3+4)"),
+             ("special", "<|python_end|>"), ("text", " ok"), ("text", " ok"), ("text", " ok"), ("text", " ok"),
+             ("text", " ok"), ("text", " ok"), ("special", "<|assistant_end|>")]
+    engine, _ = scripted_engine(tokenizer, parts)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=60, temperature=0.0), "r")
+    events = [ev for _ in range(80) for ev in engine.step()]
+    out = "".join(ev.text for ev in events if ev.segment == "python_output")
+    expr = "".join(ev.text for ev in events if ev.segment == "python")
+    assert expr == "12*(3+4)" and out == "84"
+    forced = [ev.token for ev in events if ev.forced]
+    t = tokenizer.encode_special
+    assert forced[0] == t("<|output_start|>") and forced[-1] == t("<|output_end|>")
+    assert tokenizer.decode(forced[1:-1]) == "84"
+
+
+def test_stop_string_is_cut_and_held_back(tokenizer):
+    parts = [("text", "hello how are you the cat sat"), ("special", "<|assistant_end|>")]
+    engine, _ = scripted_engine(tokenizer, parts)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=60, temperature=0.0, stop=["are you"]), "r")
+    events = [ev for _ in range(40) for ev in engine.step()]
+    text = "".join(ev.text for ev in events)
+    assert text == "hello how "
+    assert events[-1].finish_reason == "stop"
+
+
+def test_multibyte_character_streams_whole(tokenizer):
+    # byte-level tokens: split a multi-byte character across tokens on purpose
+    char = "日"
+    raw = char.encode()
+    byte_tokens = [tokenizer.enc.encode_single_token(bytes([b])) for b in raw]
+    dec = tokenizer.stream_decoder()
+    deltas = [dec.feed(t) for t in byte_tokens]
+    assert deltas[:-1] == ["", ""] and deltas[-1] == char
+    dec.feed(byte_tokens[0])
+    assert dec.flush() == ""    # an incomplete tail is dropped at the end
+    dec2 = tokenizer.stream_decoder()
+    text = "".join(dec2.feed(t) for t in tokenizer.encode("café 😀 日本語")) + dec2.flush()
+    assert text == "café 😀 日本語"

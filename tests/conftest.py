@@ -8,6 +8,7 @@ import torch
 
 from core.chat import ChatDefaults, ChatModelConfig, ChatTokenizer, build_model, save_chat_model
 from core.chat.model import init_weights
+from core.chat.tokenizer import train_tokenizer
 
 WORDS = ("the cat dog sat on a mat red blue green what is capital of france paris hello how are you "
          "number plus minus times answer question river mountain city country small large").split()
@@ -25,18 +26,13 @@ def corpus(n: int = 3000, seed: int = 0):
         yield " ".join(words) + rng.choice([".", "?", "!", "\n"])
 
 
-def train_tokenizer(vocab_size: int = 512) -> ChatTokenizer:
-    import rustbpe
-
-    bpe = rustbpe.Tokenizer()
-    bpe.train_from_iterator(corpus(), vocab_size - 9)
-    ranks = {bytes(tok): rank for tok, rank in bpe.get_mergeable_ranks()}
-    return ChatTokenizer.from_ranks(ranks, bpe.get_pattern())
+def make_tokenizer(vocab_size: int = 512) -> ChatTokenizer:
+    return train_tokenizer(corpus(), vocab_size)
 
 
 @pytest.fixture(scope="session")
 def tokenizer() -> ChatTokenizer:
-    return train_tokenizer()
+    return make_tokenizer()
 
 
 def tiny_config(arch: str, tokenizer: ChatTokenizer, **kw) -> ChatModelConfig:

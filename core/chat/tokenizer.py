@@ -122,6 +122,16 @@ class ChatTokenizer:
         return StreamDecoder(self)
 
 
+def train_tokenizer(texts, vocab_size: int) -> ChatTokenizer:
+    """Train a byte-level BPE with rustbpe (a test/training dependency) and add the chat special tokens."""
+    import rustbpe
+
+    bpe = rustbpe.Tokenizer()
+    bpe.train_from_iterator(iter(texts), vocab_size - len(SPECIAL_TOKENS))
+    ranks = {bytes(tok): rank for tok, rank in bpe.get_mergeable_ranks()}
+    return ChatTokenizer.from_ranks(ranks, bpe.get_pattern())
+
+
 class StreamDecoder:
     """Turns a token stream into text deltas without ever emitting half a UTF-8 character.
 

@@ -64,3 +64,12 @@ def chat_checkpoint(tmp_path_factory, tokenizer, nanochat_model):
     fewshot = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello how are you"}]
     save_chat_model(str(path), nanochat_model, tokenizer, ChatDefaults(fewshot=fewshot, max_tokens=32))
     return str(path)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

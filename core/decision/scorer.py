@@ -47,8 +47,12 @@ class SlowKernelsError(RuntimeError):
     pass
 
 
-def padded_length(n: int) -> int:
-    """The length a batch whose longest input has n tokens is padded to."""
+def padded_length(n: int, fine: bool = False) -> int:
+    """The length a batch whose longest input has n tokens is padded to. On CUDA the fla kernels compile once per
+    length, so lengths come from PAD_LENGTHS; the torch path on a CPU compiles nothing and pads to a multiple of
+    16 (`fine`)."""
+    if fine:
+        return -(-n // 16) * 16
     for length in PAD_LENGTHS:
         if n <= length:
             return length
@@ -188,7 +192,7 @@ class StartLuxDecision:
         out: list[torch.Tensor | None] = [None] * len(prompts)
         start = 0
         while start < len(order):
-            longest = padded_length(len(prompts[order[start]]))
+            longest = padded_length(len(prompts[order[start]]), fine=self.device.type != "cuda")
             n = max(1, min(len(order) - start, self.max_batch_tokens // longest))
             batch = order[start:start + n]
             start += n

@@ -76,6 +76,9 @@ class AsyncEngine:
                 self.engine.abort(rid)
                 self._wake.set()
 
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
     def shutdown(self) -> None:
         self._stopping = True
         self._wake.set()

@@ -54,6 +54,7 @@ class TokenEvent:
     text: str = ""                  # text delta of this token in its segment
     segment: str = "text"           # "text", "python" (calculator call) or "python_output" (its result)
     forced: bool = False            # injected by the tool, not sampled
+    closes: bool = False            # this token (<|python_end|> or <|output_end|>) ends its segment
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -290,12 +291,12 @@ class LLMEngine:
         if tok in self.stop_tokens:
             self._finish(req, s, "stop", events)
             return
-        text, segment = "", s.segment
+        text, segment, closes = "", s.segment, False
         if tok == self.python_start:
             text = self._flush_text(s)
             s.segment, s.expr_tokens = "python", []
         elif tok == self.python_end and s.segment == "python":
-            text = s.decoder.flush()
+            text, closes = s.decoder.flush(), True
             s.segment = "text"
             value = use_calculator(self.tok.decode(s.expr_tokens))
             if value is not None:
@@ -304,7 +305,7 @@ class LLMEngine:
             text = self._flush_text(s)
             s.segment = "python_output"
         elif tok == self.output_end and s.segment == "python_output":
-            text = s.decoder.flush()
+            text, closes = s.decoder.flush(), True
             s.segment = "text"
         else:
             delta = s.decoder.feed(tok)
@@ -318,7 +319,7 @@ class LLMEngine:
                     return
             else:
                 text = delta
-        events.append(self._event(req, s, tok, text, segment, forced))
+        events.append(self._event(req, s, tok, text, segment, forced, closes=closes))
         if len(s.generated) >= req.max_new or s.position + 1 >= self.sequence_len:
             self._finish(req, s, "length", events)
 
@@ -345,8 +346,9 @@ class LLMEngine:
         s.held = ""
         return text
 
-    def _event(self, req, s, tok, text, segment, forced, finish=None) -> TokenEvent:
-        return TokenEvent(req.id, s.index, tok, text, segment, forced, finish, len(req.prompt), len(s.generated))
+    def _event(self, req, s, tok, text, segment, forced, finish=None, closes=False) -> TokenEvent:
+        return TokenEvent(req.id, s.index, tok, text, segment, forced, closes, finish, len(req.prompt),
+                          len(s.generated))
 
     def _finish(self, req: _Request, s: _Sample, reason: str, events: list[TokenEvent], flush: bool = True) -> None:
         tail = self._flush_text(s) if flush else ""

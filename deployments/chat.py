@@ -1,0 +1,134 @@
+"""The chat deployment: one checkpoint and one continuous-batching engine per replica.
+
+Many streams share the replica's engine (nanochat's old server and seed 001 served one request at a
+time under a lock). `generate` is a streaming method: the ingress calls it through a streaming handle
+and gets plain-dict events. If the caller goes away, the generator is closed or cancelled and the
+engine aborts the request, freeing its cache rows at the next step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import AsyncIterator
+
+from ray import serve
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from core.chat import (ChatPrompter, EngineError, EngineFull, LLMEngine, PromptError, SamplingError, SamplingParams,
+                       load_chat_defaults, load_chat_model)
+from core.chat.async_engine import AsyncEngine
+
+from .errors import error
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+
+
+class ChatMetrics:
+    def __init__(self, model: str):
+        tags = {"model": model}
+        self.ttft = Histogram("chat_time_to_first_token_seconds", "Time from arrival to the first token.",
+                              LATENCY_BUCKETS, tag_keys=("model",))
+        self.itl = Histogram("chat_inter_token_latency_seconds", "Time between two tokens of one stream.",
+                             LATENCY_BUCKETS, tag_keys=("model",))
+        self.e2e = Histogram("chat_e2e_latency_seconds", "Time from arrival to the last token.", LATENCY_BUCKETS,
+                             tag_keys=("model",))
+        self.generated = Counter("chat_generated_tokens_total", "Tokens generated.", tag_keys=("model",))
+        self.prompted = Counter("chat_prompt_tokens_total", "Prompt tokens.", tag_keys=("model",))
+        self.running = Gauge("chat_running_requests", "Requests holding KV-cache rows.", tag_keys=("model",))
+        self.waiting = Gauge("chat_waiting_requests", "Requests waiting for free rows.", tag_keys=("model",))
+        self.cache = Gauge("chat_kv_cache_usage", "Share of KV-cache positions in use (0-1).", tag_keys=("model",))
+        for m in (self.ttft, self.itl, self.e2e, self.generated, self.prompted, self.running, self.waiting,
+                  self.cache):
+            m.set_default_tags(dict(tags))   # Serve adds its own tags to the dict it is given
+
+    def engine_step(self, engine: LLMEngine, events) -> None:
+        s = engine.stats()
+        self.running.set(s.running)
+        self.waiting.set(s.waiting)
+        self.cache.set(s.cache_usage)
+
+
+def sampling_params(p: dict, defaults) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=p.get("max_tokens") or defaults.max_tokens,
+        temperature=defaults.temperature if p.get("temperature") is None else p["temperature"],
+        top_k=defaults.top_k if p.get("top_k") is None else p["top_k"],
+        top_p=defaults.top_p if p.get("top_p") is None else p["top_p"],
+        seed=p.get("seed"), n=p.get("n") or 1, stop=list(p.get("stop") or []))
+
+
+@serve.deployment(name="ChatModel")
+class ChatModel:
+    def __init__(self, checkpoint: str, device: str | None = None, model_name: str | None = None,
+                 max_rows: int = 32, prefill_chunk: int = 512, max_waiting: int = 256):
+        model, tok, cfg = load_chat_model(checkpoint, device)
+        self.defaults = load_chat_defaults(checkpoint)
+        self.name = model_name or os.path.basename(os.path.normpath(checkpoint))
+        self.sequence_len = cfg.sequence_len
+        self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot)
+        self.metrics = ChatMetrics(self.name)
+        engine = LLMEngine(model, tok, max_rows=max_rows, prefill_chunk=prefill_chunk,
+                           prefix_ids=self.prompter.prefix_ids, max_waiting=max_waiting)
+        self.engine = AsyncEngine(engine, on_step=self.metrics.engine_step)
+        logger.info("chat model %s loaded on %s (%d rows)", self.name, engine.device, max_rows)
+
+    def info(self) -> dict:
+        return {"id": self.name, "sequence_len": self.sequence_len, "max_n": self.engine.engine.max_rows,
+                "defaults": self.defaults.to_dict() | {"fewshot": len(self.defaults.fewshot)}}
+
+    def stats(self) -> dict:
+        s = self.engine.engine.stats()
+        return {"running": s.running, "waiting": s.waiting, "rows_used": s.rows_used, "rows_total": s.rows_total,
+                "kv_cache_usage": s.cache_usage}
+
+    def check_health(self) -> None:
+        if not self.engine.alive():
+            raise RuntimeError("the chat engine thread has stopped")
+
+    async def generate(self, request: dict) -> AsyncIterator[dict]:
+        """request: {"messages": [...], "params": {...}} -> events: {"index", "text", "segment", "token", "forced",
+        "finish_reason", "prompt_tokens", "completion_tokens"}; a bad request yields one {"error": ...} instead."""
+        arrival = time.monotonic()
+        try:
+            params = sampling_params(request.get("params", {}), self.defaults)
+            prompt = self.prompter.render(request["messages"], params.max_tokens)
+            stream = self.engine.generate(prompt.ids, params)
+            first = await stream.__anext__()
+        except (PromptError, SamplingError, EngineError) as e:
+            yield error(str(e), param=getattr(e, "param", None))
+            return
+        except EngineFull as e:
+            yield error(f"the chat model is at capacity: {e}", "overloaded_error")
+            return
+        self.metrics.prompted.inc(len(prompt.ids))
+        last = {}
+        ev = first
+        try:
+            while True:
+                now = time.monotonic()
+                if ev.token is not None:
+                    self.metrics.generated.inc()
+                    if ev.index in last:
+                        self.metrics.itl.observe(now - last[ev.index])
+                    else:
+                        self.metrics.ttft.observe(now - arrival)
+                    last[ev.index] = now
+                if ev.finish_reason == "error":
+                    yield error("the model failed while generating", "server_error")
+                    return
+                yield {"index": ev.index, "text": ev.text, "segment": ev.segment, "token": ev.token,
+                       "forced": ev.forced, "closes": ev.closes, "finish_reason": ev.finish_reason, "prompt_tokens": ev.prompt_tokens,
+                       "completion_tokens": ev.completion_tokens, "dropped_turns": prompt.dropped_turns}
+                ev = await stream.__anext__()
+        except StopAsyncIteration:
+            self.metrics.e2e.observe(time.monotonic() - arrival)
+        finally:
+            await stream.aclose()
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,87 @@
+"""The decision deployment: one StartLuxDecision per replica, requests batched with @serve.batch.
+
+Concurrent requests are collected into `decide_batch`; a batch that holds one request goes through
+`decide`, so on a GPU it replays a CUDA graph. `max_batch_size` and `batch_wait_timeout_s` are live
+settings (`user_config` -> `reconfigure`); the deployment's `max_ongoing_requests` must be at least the
+batch size or batches could never fill. The model runs on a worker thread, off the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter as Tally
+
+from ray import serve
+from ray.serve.metrics import Counter, Histogram
+
+from core.decision import DecisionValidationError, StartLuxDecision
+
+from .errors import error
+
+logger = logging.getLogger(__name__)
+
+
+def validation_error(e: DecisionValidationError) -> dict:
+    """One error naming every bad question key; `errors` maps each key to its reason."""
+    keys = ", ".join(f"{k!r}" for k in e.errors)
+    body = error(f"invalid questions ({keys}): {e}", param=next(iter(e.errors), None))
+    body["error"]["errors"] = e.errors
+    return body
+
+
+@serve.deployment(name="DecisionModel")
+class DecisionModel:
+    def __init__(self, checkpoint: str, device: str | None = None, model_name: str = "startlux-decision",
+                 max_length: int = 65536, max_batch_tokens: int = 65536, graphs: bool = True):
+        self.scorer = StartLuxDecision(checkpoint, device=device, max_length=max_length,
+                                       max_batch_tokens=max_batch_tokens, graphs=graphs)
+        self.name = model_name
+        self.batch_sizes: Tally = Tally()
+        self.batch_size_metric = Histogram("decision_batch_size", "Requests per decision batch.",
+                                           [1, 2, 4, 8, 16, 32, 64, 128], tag_keys=("model",))
+        self.questions_metric = Counter("decision_questions_total", "Questions scored.", tag_keys=("model",))
+        for m in (self.batch_size_metric, self.questions_metric):
+            m.set_default_tags({"model": model_name})   # a fresh dict each: Serve mutates it
+        logger.info("decision model loaded on %s (kernels: %s)", self.scorer.device, self.scorer.kernels)
+
+    def reconfigure(self, user_config: dict) -> None:
+        self._batched.set_max_batch_size(int(user_config.get("max_batch_size", 16)))
+        self._batched.set_batch_wait_timeout_s(float(user_config.get("batch_wait_timeout_s", 0.01)))
+
+    def info(self) -> dict:
+        return {"id": self.name, "max_length": self.scorer.max_length}
+
+    def stats(self) -> dict:
+        return {"batches": sum(self.batch_sizes.values()), "largest_batch": max(self.batch_sizes, default=0),
+                "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())}}
+
+    async def decide(self, request: dict) -> dict:
+        """{"state", "questions"} -> {"answers", "usage"} or {"error": ...}."""
+        return await self._batched(request)
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
+    async def _batched(self, requests: list[dict]) -> list[dict]:
+        self.batch_sizes[len(requests)] += 1
+        self.batch_size_metric.observe(len(requests))
+        return await asyncio.to_thread(self._run, requests)
+
+    def _run(self, requests: list[dict]) -> list[dict]:
+        if len(requests) == 1:   # the graph path on a GPU
+            r = requests[0]
+            try:
+                answers, usage = self.scorer.decide(r.get("state"), r.get("questions"))
+            except DecisionValidationError as e:
+                return [validation_error(e)]
+            results = [(answers, usage)]
+        else:
+            results = self.scorer.decide_batch([(r.get("state"), r.get("questions")) for r in requests],
+                                               with_usage=True, return_exceptions=True)
+        out = []
+        for res in results:
+            if isinstance(res, DecisionValidationError):
+                out.append(validation_error(res))
+            else:
+                answers, usage = res
+                self.questions_metric.inc(len(answers))
+                out.append({"answers": answers, "usage": usage})
+        return out

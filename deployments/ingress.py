@@ -1,0 +1,272 @@
+"""The HTTP ingress: OpenAI-compatible chat, the /v1/systemone decision API, models, health, errors, keys.
+
+Routes requests to the chat deployment (through a streaming handle) and the decision deployment.
+Every error leaves as OpenAI's error JSON; `STATUS` in errors.py and the handlers below are the one
+place where exception types become status codes.
+"""
+
+import asyncio
+import hmac
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from core.decision.types import DecisionRequest
+
+from .errors import CODE_STATUS, STATUS, error
+from .openai_api import ChatCompletionRequest, Completion, sse
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = "1"
+
+
+class APIError(Exception):
+    def __init__(self, body: dict, headers: dict | None = None):
+        self.body, self.headers = body, headers or {}
+
+
+def status_of(body: dict) -> int:
+    err = body["error"]
+    return CODE_STATUS.get(err.get("code"), STATUS.get(err.get("type"), 500))
+
+
+def error_response(body: dict, headers: dict | None = None) -> JSONResponse:
+    status = status_of(body)
+    if status == 503:
+        headers = {"Retry-After": RETRY_AFTER_S, **(headers or {})}
+    return JSONResponse({"error": body["error"]}, status_code=status, headers=headers)
+
+
+def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    parts, param = [], None
+    for e in errs[:5]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        param = param or loc or None
+        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+    return "; ".join(parts) or "invalid request", param
+
+
+app = FastAPI(title="startlux-serve", docs_url=None, redoc_url=None)
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: Request, exc: APIError):
+    return error_response(exc.body, exc.headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    msg, param = validation_message(exc)
+    return error_response(error(msg, param=param))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+    body = error(str(exc.detail) if exc.status_code != 404 else f"no route {request.method} {request.url.path}", kind)
+    return JSONResponse({"error": body["error"]}, status_code=exc.status_code)
+
+
+@app.exception_handler(Exception)
+async def _fault(request: Request, exc: Exception):
+    logger.exception("unhandled error on %s", request.url.path)
+    return error_response(error("internal error", "server_error"))
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, chat: DeploymentHandle, decision: DeploymentHandle, api_keys: list[str] | None = None,
+                 max_body_bytes: int = 1_000_000, max_messages: int = 256, max_message_chars: int = 32_000,
+                 max_n: int = 8, max_questions: int = 64):
+        self.chat, self.decision = chat, decision
+        self.api_keys = [k for k in (api_keys or []) if k]
+        self.max_body_bytes, self.max_messages, self.max_message_chars = max_body_bytes, max_messages, max_message_chars
+        self.max_n, self.max_questions = max_n, max_questions
+        self._chat_info: dict | None = None
+        self._decision_info: dict | None = None
+
+    # ---- shared checks
+    def _authorize(self, request: Request) -> None:
+        if not self.api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not any(hmac.compare_digest(token, k) for k in self.api_keys):
+            raise APIError(error("missing or invalid API key (send Authorization: Bearer <key>)",
+                                 "invalid_request_error", code="invalid_api_key"))
+
+    async def _json(self, request: Request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise APIError(error(f"request body over {self.max_body_bytes} bytes", "invalid_request_error",
+                                 code="body_too_large"))
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise APIError(error(f"request body over {self.max_body_bytes} bytes", "invalid_request_error",
+                                     code="body_too_large"))
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(error(f"malformed JSON: {e}")) from None
+        if not isinstance(data, dict):
+            raise APIError(error("the request body must be a JSON object"))
+        return data
+
+    async def chat_info(self) -> dict:
+        if self._chat_info is None:
+            self._chat_info = await self.chat.info.remote()
+        return self._chat_info
+
+    async def decision_info(self) -> dict:
+        if self._decision_info is None:
+            self._decision_info = await self.decision.info.remote()
+        return self._decision_info
+
+    # ---- routes
+    @app.get("/healthz")
+    async def healthz(self):
+        try:
+            await asyncio.wait_for(asyncio.gather(self.chat.info.remote(), self.decision.info.remote()), 5)
+        except Exception as e:
+            logger.warning("health check failed: %s", e)
+            return JSONResponse({"status": "unavailable"}, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        self._authorize(request)
+        chat, decision = await asyncio.gather(self.chat_info(), self.decision_info())
+        return {"object": "list", "data": [
+            {"id": chat["id"], "object": "model", "owned_by": "startlux-serve", "kind": "chat"},
+            {"id": decision["id"], "object": "model", "owned_by": "startlux-serve", "kind": "decision"}]}
+
+    @app.get("/debug/stats")
+    async def stats(self, request: Request):
+        """Per-replica engine and batching counters of the replicas that answer (for tests and operators)."""
+        self._authorize(request)
+        chat, decision = await asyncio.gather(self.chat.stats.remote(), self.decision.stats.remote())
+        return {"chat": chat, "decision": decision}
+
+    @app.post("/v1/systemone")
+    async def systemone(self, request: Request):
+        self._authorize(request)
+        data = await self._json(request)
+        try:
+            req = DecisionRequest.model_validate(data)
+        except ValidationError as e:
+            msg, param = validation_message(e)
+            raise APIError(error(msg, param=param)) from None
+        if len(req.questions) > self.max_questions:
+            raise APIError(error(f"at most {self.max_questions} questions per request", param="questions"))
+        model = data.get("model")
+        if model is not None and model != (await self.decision_info())["id"]:
+            raise APIError(error(f"unknown model {model!r}", "not_found_error", "model", "model_not_found"))
+        payload = {"state": req.state, "questions": {k: q.model_dump() for k, q in req.questions.items()}}
+        result = await self._call(self.decision.decide.remote(payload))
+        if "error" in result:
+            raise APIError(result)
+        return result
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        self._authorize(request)
+        data = await self._json(request)
+        try:
+            req = ChatCompletionRequest.model_validate(data)
+        except ValidationError as e:
+            msg, param = validation_message(e)
+            raise APIError(error(msg, param=param)) from None
+        info = await self.chat_info()
+        if req.model is not None and req.model != info["id"]:
+            raise APIError(error(f"unknown model {req.model!r}; this service serves {info['id']!r}",
+                                 "not_found_error", "model", "model_not_found"))
+        self._check_limits(req, info)
+        payload = {"messages": [m.for_prompter() for m in req.messages], "params": req.params()}
+        stream = self.chat.options(stream=True).generate.remote(payload)
+        try:
+            first = await self._call(stream.__anext__())
+        except StopAsyncIteration:
+            raise APIError(error("the model ended the stream without output", "server_error")) from None
+        if "error" in first:
+            stream.cancel()
+            raise APIError(first)
+        completion = Completion(info["id"], req.n)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._sse(stream, first, completion, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            event = first
+            while True:
+                if "error" in event:
+                    raise APIError(event)
+                completion.feed(event)
+                event = await stream.__anext__()
+        except StopAsyncIteration:
+            pass
+        finally:
+            stream.cancel()
+        return completion.response()
+
+    async def _sse(self, stream, first: dict, completion: Completion, include_usage: bool):
+        try:
+            for chunk in completion.first_chunks():
+                yield sse(chunk)
+            event = first
+            while True:
+                if "error" in event:
+                    yield sse({"error": event["error"]})
+                    break
+                for chunk in completion.feed(event):
+                    yield sse(chunk)
+                try:
+                    event = await stream.__anext__()
+                except StopAsyncIteration:
+                    if include_usage:
+                        yield sse(completion.usage_chunk())
+                    break
+            yield "data: [DONE]\n\n"
+        except Exception as e:   # the model replica died mid-stream: end with an error event, never hang
+            logger.warning("chat stream failed: %r", e)
+            yield sse(error("the chat stream was interrupted by a server fault; retry the request", "server_error"))
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.cancel()      # the client went away (or we are done): free the engine's rows
+
+    def _check_limits(self, req: ChatCompletionRequest, info: dict) -> None:
+        if len(req.messages) > self.max_messages:
+            raise APIError(error(f"at most {self.max_messages} messages per request, got {len(req.messages)}",
+                                 param="messages"))
+        for i, m in enumerate(req.messages):
+            parts = m.parts or (m.content if isinstance(m.content, list) else [])
+            size = len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in parts)
+            if size > self.max_message_chars:
+                raise APIError(error(f"messages[{i}] has {size} characters; the limit is {self.max_message_chars}",
+                                     param=f"messages[{i}].content"))
+        if req.n > min(self.max_n, info["max_n"]):
+            raise APIError(error(f"n must be at most {min(self.max_n, info['max_n'])}", param="n"))
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is not None and max_tokens >= info["sequence_len"]:
+            raise APIError(error(f"max_tokens must be below the model's context of {info['sequence_len']} tokens",
+                                 param="max_tokens"))
+
+    @staticmethod
+    async def _call(awaitable):
+        try:
+            return await awaitable
+        except BackPressureError:
+            raise APIError(error("the service is at capacity; retry shortly", "overloaded_error",
+                                 code="overloaded")) from None

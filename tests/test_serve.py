@@ -1,0 +1,279 @@
+"""The Ray Serve application end to end over HTTP: one in-process Serve instance for the whole module."""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from core.chat import save_chat_model
+from tests.conftest import tiny_model
+from tests.decision_fixtures import build_checkpoint
+
+pytestmark = pytest.mark.serve
+
+MAX_ROWS = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, tokenizer):
+    import ray
+    from ray import serve
+
+    from deployments.app import AppArgs, wire
+
+    root = tmp_path_factory.mktemp("serve")
+    model = tiny_model("nanochat", tokenizer, sequence_len=8192)
+    with torch.no_grad():   # never end on its own: streams run as long as max_tokens says
+        model.lm_head.weight[min(tokenizer.special_tokens.values()):] = 0.0
+    save_chat_model(str(root / "chat"), model, tokenizer)
+    build_checkpoint(str(root / "decision"))
+    port = free_port()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    small = {"ray_actor_options": {"num_cpus": 0.1}}
+    options = {"ChatModel": dict(small, max_ongoing_requests=64, max_queued_requests=8),
+               "DecisionModel": dict(small, max_ongoing_requests=16, max_queued_requests=64,
+                                     user_config={"max_batch_size": 16, "batch_wait_timeout_s": 0.05}),
+               "Ingress": dict(small, max_ongoing_requests=256)}
+    args = dict(chat_checkpoint=str(root / "chat"), decision_checkpoint=str(root / "decision"), device="cpu",
+                chat_max_rows=MAX_ROWS, chat_max_waiting=16, max_body_bytes=20_000, max_messages=16,
+                max_message_chars=2000)
+    serve.run(wire(AppArgs(**args), options), name="open", route_prefix="/")
+    keyed = dict(args, api_keys=["sekrit"], chat_max_rows=2)
+    serve.run(wire(AppArgs(**keyed), options), name="keyed", route_prefix="/keyed")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def chat(url, payload, **kw):
+    return httpx.post(f"{url}/v1/chat/completions", json=payload, timeout=120, **kw)
+
+
+def user(text="hello how are you"):
+    return [{"role": "user", "content": text}]
+
+
+def sse_events(lines):
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_health_and_models(service):
+    assert httpx.get(f"{service}/healthz").json() == {"status": "ok"}
+    ids = [m["id"] for m in httpx.get(f"{service}/v1/models").json()["data"]]
+    assert ids == ["chat", "startlux-decision"]
+
+
+def test_non_stream_completion_and_seed(service):
+    body = {"messages": user(), "max_tokens": 12, "temperature": 1.0, "seed": 5, "n": 2}
+    a, b = chat(service, body).json(), chat(service, body).json()
+    assert [c["message"]["content"] for c in a["choices"]] == [c["message"]["content"] for c in b["choices"]]
+    assert len(a["choices"]) == 2 and a["choices"][0]["finish_reason"] == "length"
+    assert a["usage"]["completion_tokens"] == 24 and a["usage"]["prompt_tokens"] > 0
+
+
+def test_stream_over_sse(service):
+    body = {"messages": user(), "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{service}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["usage"]["completion_tokens"] == 8 and chunks[-1]["choices"] == []
+    assert any(c["choices"] and c["choices"][0]["finish_reason"] == "length" for c in chunks)
+
+
+def test_openai_client(service):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{service}/v1", api_key="unused", max_retries=0)
+    out = client.chat.completions.create(model="chat", messages=user(), max_tokens=6, seed=3, temperature=0.8, n=2)
+    again = client.chat.completions.create(model="chat", messages=user(), max_tokens=6, seed=3, temperature=0.8, n=2)
+    assert [c.message.content for c in out.choices] == [c.message.content for c in again.choices]
+    assert out.usage.completion_tokens == 12
+    text = ""
+    stream = client.chat.completions.create(model="chat", messages=user(), max_tokens=6, stream=True, seed=3,
+                                            temperature=0.8)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+    single = client.chat.completions.create(model="chat", messages=user(), max_tokens=6, seed=3, temperature=0.8)
+    assert text == single.choices[0].message.content
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=user(), max_tokens=3)
+
+
+def test_sixteen_concurrent_streams_interleave(service):
+    async def one(client, i):
+        times, finish = [], None
+        body = {"messages": user(f"the cat {i}"), "max_tokens": 40, "stream": True}
+        async with client.stream("POST", f"{service}/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    times.append(time.monotonic())
+                    finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+        return times, finish
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    results = asyncio.run(main())
+    assert all(finish == "length" for _, finish in results)
+    spans = sorted((t[0], t[-1]) for t, _ in results)
+    overlapping = sum(1 for (s1, e1), (s2, e2) in zip(spans, spans[1:]) if s2 < e1)
+    assert overlapping >= 8, "streams must run side by side, not one after another"
+
+
+def test_disconnect_frees_rows_for_waiting_request(service):
+    stats = lambda: httpx.get(f"{service}/debug/stats").json()["chat"]   # noqa: E731
+    long = {"messages": user(), "max_tokens": 8000, "stream": True}
+    clients = [httpx.Client(timeout=120) for _ in range(MAX_ROWS)]
+    streams = []
+    try:
+        for c in clients:
+            s = c.stream("POST", f"{service}/v1/chat/completions", json=long)
+            r = s.__enter__()
+            lines = r.iter_lines()      # keep the iterator: dropping it closes the connection
+            next(lines)
+            streams.append((s, lines))
+        result = {}
+
+        def waiter():
+            result["response"] = chat(service, {"messages": user(), "max_tokens": 3})
+            result["at"] = time.monotonic()
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        deadline = time.monotonic() + 20
+        seen = stats()
+        while seen["waiting"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+            seen = stats()
+        assert seen["waiting"] == 1 and seen["rows_used"] == MAX_ROWS, seen
+        assert not result, "the waiting request must not run while every row is taken"
+        closed_at = time.monotonic()
+        streams[0][0].__exit__(None, None, None)      # the client goes away mid-stream
+        clients[0].close()
+        t.join(timeout=30)
+        assert result["response"].status_code == 200
+        assert result["response"].json()["usage"]["completion_tokens"] == 3
+        assert result["at"] - closed_at < 15
+    finally:
+        for s, _ in streams[1:]:
+            s.__exit__(None, None, None)
+        for c in clients:
+            c.close()
+    deadline = time.monotonic() + 20
+    while stats()["rows_used"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stats()["rows_used"] == 0, "every disconnected stream must give its rows back"
+
+
+def decision_body(i=0):
+    return {"state": f"the cat is red {i}",
+            "questions": {"color": {"question": "which color", "criteria": {"r": "red", "b": "blue"}},
+                          "cat": {"type": "noul", "question": "is there a cat"}}}
+
+
+def test_decisions_are_batched(service):
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(client.post(f"{service}/v1/systemone", json=decision_body(i))
+                                          for i in range(12)))
+
+    responses = asyncio.run(main())
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    one = responses[0].json()
+    assert list(one["answers"]) == ["color", "cat"] and one["usage"]["input_tokens"] > 0
+    assert one["answers"]["color"]["choice"] in ("r", "b") and 0 <= one["answers"]["cat"]["noul"] <= 1
+    stats = httpx.get(f"{service}/debug/stats").json()["decision"]
+    assert stats["largest_batch"] > 1
+
+
+@pytest.mark.parametrize("payload,status,needle", [
+    ("{not json", 400, "malformed JSON"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": user(), "temperature": 5}, 400, "temperature"),
+    ({"messages": user(), "top_p": 0}, 400, "top_p"),
+    ({"messages": user(), "n": 50}, 400, "n must be at most"),
+    ({"messages": user(), "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": user(), "max_tokens": 99999}, 400, "max_tokens"),
+    ({"messages": user() * 20}, 400, "at most 16 messages"),
+    ({"messages": user("x" * 3000)}, 400, "messages[0]"),
+    ({"messages": user("the cat " * 200), "max_tokens": 8150}, 400, "newest user message"),
+    ({"messages": user(), "model": "nope"}, 404, "unknown model"),
+    ({"messages": user("x" * 30000)}, 413, "body over"),
+    ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, "last non-system message"),
+])
+def test_chat_bad_input(service, payload, status, needle):
+    if isinstance(payload, str):
+        r = httpx.post(f"{service}/v1/chat/completions", content=payload,
+                       headers={"content-type": "application/json"})
+    else:
+        r = chat(service, payload)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and set(err) >= {"message", "type", "param", "code"}
+
+
+def test_decision_bad_input_names_every_key(service):
+    body = {"state": "s", "questions": {"ok": {"question": "q", "criteria": {"a": "x", "b": "y"}},
+                                        "bad1": {"type": "choice", "question": "q", "criteria": {}},
+                                        "bad2": {"type": "score", "question": "q", "criteria": ["one"]}}}
+    r = httpx.post(f"{service}/v1/systemone", json=body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert "'bad1'" in err["message"] and "'bad2'" in err["message"] and set(err["errors"]) == {"bad1", "bad2"}
+    r = httpx.post(f"{service}/v1/systemone", json={"state": "s", "questions": {"q": {"type": "vote", "question": "q"}}})
+    assert r.status_code == 400 and "questions.q.type" in r.json()["error"]["message"]
+
+
+def test_unknown_route_and_method(service):
+    r = httpx.get(f"{service}/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_overload_is_503_with_retry_after(service):
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            chats = [client.post(f"{service}/v1/chat/completions", json={"messages": user(), "max_tokens": 300})
+                     for _ in range(40)]
+            return await asyncio.gather(*chats)
+
+    responses = asyncio.run(main())
+    codes = {r.status_code for r in responses}
+    assert codes <= {200, 503} and 503 in codes and 200 in codes
+    busy = next(r for r in responses if r.status_code == 503)
+    assert busy.headers["retry-after"] and busy.json()["error"]["type"] == "overloaded_error"
+
+
+def test_api_keys(service):
+    url = f"{service}/keyed"
+    assert httpx.get(f"{url}/healthz").status_code == 200
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": user(), "max_tokens": 2})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": user(), "max_tokens": 2},
+                   headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": user(), "max_tokens": 2},
+                   headers={"Authorization": "Bearer sekrit"})
+    assert r.status_code == 200
+    assert httpx.post(f"{url}/v1/systemone", json=decision_body()).status_code == 401
+    assert httpx.get(f"{service}/v1/models").status_code == 200   # the open app has no keys

@@ -1,0 +1,44 @@
+"""serve_config.yaml (production) and serve_config.cpu.yaml (local) describe the same application."""
+import os
+
+import pytest
+import yaml
+
+from deployments.app import AppArgs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load(name):
+    with open(os.path.join(ROOT, name)) as f:
+        return yaml.safe_load(f)
+
+
+@pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.cpu.yaml"])
+def test_config_is_consistent(name):
+    cfg = load(name)
+    (app,) = cfg["applications"]
+    assert app["import_path"] == "deployments.app:build_app"
+    AppArgs.model_validate(app["args"])                       # every arg is one the builder knows
+    deps = {d["name"]: d for d in app["deployments"]}
+    assert set(deps) == {"ChatModel", "DecisionModel", "Ingress"}
+    decision = deps["DecisionModel"]
+    assert decision["max_ongoing_requests"] >= decision["user_config"]["max_batch_size"]
+    for d in deps.values():
+        assert "max_queued_requests" in d and "max_ongoing_requests" in d
+        assert not ("num_replicas" in d and "autoscaling_config" in d)
+        auto = d.get("autoscaling_config")
+        if auto:
+            assert auto["min_replicas"] <= auto["max_replicas"]
+            assert auto["target_ongoing_requests"] <= d["max_ongoing_requests"]
+    rows = app["args"].get("chat_max_rows", AppArgs().chat_max_rows)
+    assert deps["ChatModel"]["max_ongoing_requests"] >= rows
+
+
+def test_production_uses_gpus_and_local_does_not():
+    prod = {d["name"]: d for d in load("serve_config.yaml")["applications"][0]["deployments"]}
+    cpu = {d["name"]: d for d in load("serve_config.cpu.yaml")["applications"][0]["deployments"]}
+    for name in ("ChatModel", "DecisionModel"):
+        assert prod[name]["ray_actor_options"]["num_gpus"] == 1
+        assert cpu[name]["ray_actor_options"]["num_gpus"] == 0
+    assert load("serve_config.cpu.yaml")["applications"][0]["args"]["device"] == "cpu"

@@ -1,0 +1,62 @@
+"""The README's serve command as a subprocess: it starts, answers, and shuts down cleanly."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.test_serve import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.serve
+
+
+def test_readme_serve_command(tmp_path):
+    cfg = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())
+    port = free_port()
+    cfg["http_options"]["port"] = port
+    config = tmp_path / "serve_config.cpu.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    serve_bin = Path(sys.executable).parent / "serve"
+    log = open(tmp_path / "serve.log", "wb")
+    # its own session: the process group id is the pid, so everything it starts is stopped by that id
+    proc = subprocess.Popen([str(serve_bin), "run", str(config)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        ready = False
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                ready = httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                ready = False
+            if ready:
+                break
+            time.sleep(1)
+        assert ready, (tmp_path / "serve.log").read_text()[-3000:]
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                       json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+        r = httpx.post(f"{url}/v1/systemone", timeout=60, json={
+            "state": "s", "questions": {"q": {"type": "noul", "question": "is it"}}})
+        assert r.status_code == 200 and 0 <= r.json()["answers"]["q"]["noul"] <= 1
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)        # serve run's own clean shutdown: Serve, then its Ray
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)    # whatever of its group is left
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+        log.close()
+    assert proc.returncode is not None

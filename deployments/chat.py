@@ -88,41 +88,44 @@ class ChatModel:
         if not self.engine.alive():
             raise RuntimeError("the chat engine thread has stopped")
 
-    async def generate(self, request: dict) -> AsyncIterator[dict]:
-        """request: {"messages": [...], "params": {...}} -> events: {"index", "text", "segment", "token", "forced",
-        "finish_reason", "prompt_tokens", "completion_tokens"}; a bad request yields one {"error": ...} instead."""
+    async def generate(self, request: dict) -> AsyncIterator[list[dict]]:
+        """request: {"messages": [...], "params": {...}} -> lists of events, each {"index", "text", "segment",
+        "token", "forced", "closes", "finish_reason", "prompt_tokens", "completion_tokens"}: every event ready at
+        that moment travels in one message. A bad request yields one [{"error": ...}] instead."""
         arrival = time.monotonic()
         try:
             params = sampling_params(request.get("params", {}), self.defaults)
             prompt = self.prompter.render(request["messages"], params.max_tokens)
             stream = self.engine.generate(prompt.ids, params)
-            first = await stream.__anext__()
+            batch = await stream.__anext__()
         except (PromptError, SamplingError, EngineError) as e:
-            yield error(str(e), param=getattr(e, "param", None))
+            yield [error(str(e), param=getattr(e, "param", None))]
             return
         except EngineFull as e:
-            yield error(f"the chat model is at capacity: {e}", "overloaded_error")
+            yield [error(f"the chat model is at capacity: {e}", "overloaded_error")]
             return
         self.metrics.prompted.inc(len(prompt.ids))
-        last = {}
-        ev = first
+        last: dict[int, float] = {}
         try:
             while True:
                 now = time.monotonic()
-                if ev.token is not None:
-                    self.metrics.generated.inc()
-                    if ev.index in last:
-                        self.metrics.itl.observe(now - last[ev.index])
-                    else:
-                        self.metrics.ttft.observe(now - arrival)
-                    last[ev.index] = now
-                if ev.finish_reason == "error":
-                    yield error("the model failed while generating", "server_error")
-                    return
-                yield {"index": ev.index, "text": ev.text, "segment": ev.segment, "token": ev.token,
-                       "forced": ev.forced, "closes": ev.closes, "finish_reason": ev.finish_reason, "prompt_tokens": ev.prompt_tokens,
-                       "completion_tokens": ev.completion_tokens, "dropped_turns": prompt.dropped_turns}
-                ev = await stream.__anext__()
+                out = []
+                for ev in batch:
+                    if ev.token is not None:
+                        self.metrics.generated.inc()
+                        if ev.index in last:
+                            self.metrics.itl.observe(now - last[ev.index])
+                        else:
+                            self.metrics.ttft.observe(now - arrival)
+                        last[ev.index] = now
+                    if ev.finish_reason == "error":
+                        yield out + [error("the model failed while generating", "server_error")]
+                        return
+                    out.append({"index": ev.index, "text": ev.text, "segment": ev.segment, "token": ev.token,
+                                "forced": ev.forced, "closes": ev.closes, "finish_reason": ev.finish_reason,
+                                "prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens})
+                yield out
+                batch = await stream.__anext__()
         except StopAsyncIteration:
             self.metrics.e2e.observe(time.monotonic() - arrival)
         finally:

@@ -200,40 +200,47 @@ class Ingress:
             first = await self._call(stream.__anext__())
         except StopAsyncIteration:
             raise APIError(error("the model ended the stream without output", "server_error")) from None
-        if "error" in first:
+        if "error" in first[0]:
             stream.cancel()
-            raise APIError(first)
+            raise APIError(first[0])
         completion = Completion(info["id"], req.n)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self._sse(stream, first, completion, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            event = first
+            batch = first
             while True:
-                if "error" in event:
-                    raise APIError(event)
-                completion.feed(event)
-                event = await stream.__anext__()
+                for event in batch:
+                    if "error" in event:
+                        raise APIError(event)
+                    completion.feed(event)
+                batch = await stream.__anext__()
         except StopAsyncIteration:
             pass
         finally:
             stream.cancel()
         return completion.response()
 
-    async def _sse(self, stream, first: dict, completion: Completion, include_usage: bool):
+    async def _sse(self, stream, first: list[dict], completion: Completion, include_usage: bool):
         try:
             for chunk in completion.first_chunks():
                 yield sse(chunk)
-            event = first
-            while True:
-                if "error" in event:
-                    yield sse({"error": event["error"]})
+            batch, failed = first, False
+            while not failed:
+                text = []
+                for event in batch:
+                    if "error" in event:
+                        text.append(sse({"error": event["error"]}))
+                        failed = True
+                        break
+                    text += [sse(chunk) for chunk in completion.feed(event)]
+                if text:
+                    yield "".join(text)       # one write per batch of ready tokens
+                if failed:
                     break
-                for chunk in completion.feed(event):
-                    yield sse(chunk)
                 try:
-                    event = await stream.__anext__()
+                    batch = await stream.__anext__()
                 except StopAsyncIteration:
                     if include_usage:
                         yield sse(completion.usage_chunk())

@@ -39,6 +39,7 @@ class AppArgs(BaseModel):
     max_message_chars: int = 32_000
     max_n: int = 8
     max_questions: int = 64
+    retry_timeout_s: float = 60.0                   # how long a call whose replica died is retried elsewhere
 
 
 def build_app(args: dict) -> Application:
@@ -60,4 +61,5 @@ def wire(a: AppArgs, options: dict[str, dict] | None = None) -> Application:
         os.path.abspath(a.decision_checkpoint), a.device, a.decision_model_name, a.decision_max_length,
         a.decision_max_batch_tokens, a.decision_graphs)
     return Ingress.options(**options.get("Ingress", {})).bind(
-        chat, decision, keys, a.max_body_bytes, a.max_messages, a.max_message_chars, a.max_n, a.max_questions)
+        chat, decision, keys, a.max_body_bytes, a.max_messages, a.max_message_chars, a.max_n, a.max_questions,
+        a.retry_timeout_s)

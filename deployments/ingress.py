@@ -9,12 +9,14 @@ import asyncio
 import hmac
 import json
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,6 +29,9 @@ from .openai_api import ChatCompletionRequest, Completion, sse
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
+# A replica (or its node) died under the call. Decisions are idempotent and a chat request has produced nothing
+# yet, so such calls are retried: Serve routes the retry to a healthy replica once it knows.
+REPLICA_LOST = (RayActorError, ActorUnavailableError)
 
 
 class APIError(Exception):
@@ -88,11 +93,12 @@ async def _fault(request: Request, exc: Exception):
 class Ingress:
     def __init__(self, chat: DeploymentHandle, decision: DeploymentHandle, api_keys: list[str] | None = None,
                  max_body_bytes: int = 1_000_000, max_messages: int = 256, max_message_chars: int = 32_000,
-                 max_n: int = 8, max_questions: int = 64):
+                 max_n: int = 8, max_questions: int = 64, retry_timeout_s: float = 60.0):
         self.chat, self.decision = chat, decision
         self.api_keys = [k for k in (api_keys or []) if k]
         self.max_body_bytes, self.max_messages, self.max_message_chars = max_body_bytes, max_messages, max_message_chars
         self.max_n, self.max_questions = max_n, max_questions
+        self.retry_timeout_s = retry_timeout_s
         self._chat_info: dict | None = None
         self._decision_info: dict | None = None
 
@@ -175,7 +181,7 @@ class Ingress:
         if model is not None and model != (await self.decision_info())["id"]:
             raise APIError(error(f"unknown model {model!r}", "not_found_error", "model", "model_not_found"))
         payload = {"state": req.state, "questions": {k: q.model_dump() for k, q in req.questions.items()}}
-        result = await self._call(self.decision.decide.remote(payload))
+        result = await self._retrying(lambda: self.decision.decide.remote(payload), "decision")
         if "error" in result:
             raise APIError(result)
         return result
@@ -195,11 +201,17 @@ class Ingress:
                                  "not_found_error", "model", "model_not_found"))
         self._check_limits(req, info)
         payload = {"messages": [m.for_prompter() for m in req.messages], "params": req.params()}
-        stream = self.chat.options(stream=True).generate.remote(payload)
+        streams = []
+
+        async def start():
+            streams.append(self.chat.options(stream=True).generate.remote(payload))
+            return await streams[-1].__anext__()
+
         try:
-            first = await self._call(stream.__anext__())
+            first = await self._retrying(start, "chat")
         except StopAsyncIteration:
             raise APIError(error("the model ended the stream without output", "server_error")) from None
+        stream = streams[-1]
         if "error" in first[0]:
             stream.cancel()
             raise APIError(first[0])
@@ -269,6 +281,21 @@ class Ingress:
         if max_tokens is not None and max_tokens >= info["sequence_len"]:
             raise APIError(error(f"max_tokens must be below the model's context of {info['sequence_len']} tokens",
                                  param="max_tokens"))
+
+    async def _retrying(self, call, what: str):
+        """Await `call()`; when the replica serving it is lost, call again (with backoff) until retry_timeout_s."""
+        deadline = time.monotonic() + self.retry_timeout_s
+        attempt = 0
+        while True:
+            try:
+                return await self._call(call())
+            except REPLICA_LOST as e:
+                attempt += 1
+                if time.monotonic() >= deadline:
+                    raise APIError(error(f"the {what} model is unavailable; retry shortly", "overloaded_error",
+                                         code="unavailable")) from None
+                logger.warning("%s replica lost (%s); retry %d", what, type(e).__name__, attempt)
+                await asyncio.sleep(min(0.05 * 2 ** attempt, 2.0))
 
     @staticmethod
     async def _call(awaitable):

@@ -14,7 +14,7 @@ def load(name):
         return yaml.safe_load(f)
 
 
-@pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.cpu.yaml"])
+@pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.cpu.yaml", "cluster/serve_config.local.yaml"])
 def test_config_is_consistent(name):
     cfg = load(name)
     (app,) = cfg["applications"]

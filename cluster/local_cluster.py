@@ -1,0 +1,203 @@
+"""A multi-node Ray cluster on one machine, for development and CI.
+
+    python -m cluster.local_cluster up [--workers 2] [--config cluster/serve_config.local.yaml]
+    python -m cluster.local_cluster status
+    python -m cluster.local_cluster down
+
+`up` starts a head node (no model resources: controller, proxy, ingress) and worker nodes that each
+offer one `model_node` resource, so model replicas land on workers and can be pinned to them; then it
+deploys the config with `serve deploy`, as production does. Each node is one `ray start --block`
+process in its own session: stopping a node means stopping that process group by its own id, which
+takes down exactly the processes that node started and nothing else on the machine. The ids live in a
+state file (`.local_cluster.json`), which `down` reads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+STATE = ROOT / ".local_cluster.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Node:
+    name: str
+    pid: int                       # the `ray start --block` process; its process group is the node
+    log: str
+
+
+@dataclass
+class LocalCluster:
+    gcs_port: int = field(default_factory=free_port)
+    dashboard_port: int = field(default_factory=free_port)
+    temp_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="ray-local-"))
+    # Ray 2.60 authenticates every node and client with a shared token; this cluster gets its own
+    token: str = field(default_factory=lambda: secrets.token_hex(32))
+    nodes: list[Node] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gcs_port}"
+
+    def _start(self, name: str, args: list[str]) -> Node:
+        log = os.path.join(self.temp_dir, f"{name}.log")
+        ports = ["--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
+                 "--metrics-export-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+                 "--dashboard-agent-grpc-port", str(free_port()), "--runtime-env-agent-port", str(free_port())]
+        with open(log, "wb") as f:
+            proc = subprocess.Popen([str(BIN / "ray"), "start", "--block", "--node-ip-address", "127.0.0.1",
+                                     *ports, *args], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                    start_new_session=True, env=self._env())
+        node = Node(name, proc.pid, log)
+        self.nodes.append(node)
+        return node
+
+    def _env(self) -> dict:
+        env = dict(os.environ)
+        env.pop("RAY_ADDRESS", None)
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token)
+        # notice a lost node within seconds (Ray's defaults are tuned for flaky cloud networks)
+        env.setdefault("RAY_health_check_period_ms", "1000")
+        env.setdefault("RAY_health_check_failure_threshold", "3")
+        return env
+
+    def start_head(self, num_cpus: int = 4) -> Node:
+        node = self._start("head", ["--head", "--port", str(self.gcs_port), "--num-cpus", str(num_cpus),
+                                    "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
+                                    "--dashboard-port", str(self.dashboard_port), "--temp-dir", self.temp_dir])
+        self.wait_for_nodes(1)
+        return node
+
+    def add_worker(self, num_cpus: int = 2) -> Node:
+        name = f"worker{sum(n.name.startswith('worker') for n in self.nodes) + 1}"
+        node = self._start(name, ["--address", self.address, "--num-cpus", str(num_cpus),
+                                  "--resources", json.dumps({"model_node": 1})])
+        self.wait_for_nodes(len(self.alive_nodes()))
+        return node
+
+    def alive_nodes(self) -> list[Node]:
+        out = []
+        for n in self.nodes:
+            try:
+                os.killpg(n.pid, 0)
+                out.append(n)
+            except ProcessLookupError:
+                pass
+        return out
+
+    def ray_nodes(self) -> list[dict]:
+        r = httpx.get(f"http://127.0.0.1:{self.dashboard_port}/nodes?view=summary", timeout=10,
+                      headers={"Authorization": f"Bearer {self.token}"})
+        return [n for n in r.json()["data"]["summary"] if n["raylet"]["state"] == "ALIVE"]
+
+    def replica_nodes(self, deployment: str, app: str = "startlux") -> list[str]:
+        """Node ids of the ALIVE replicas of a deployment."""
+        r = httpx.get(f"http://127.0.0.1:{self.dashboard_port}/api/v0/actors", timeout=10,
+                      params={"limit": 10000, "detail": "true"}, headers={"Authorization": f"Bearer {self.token}"})
+        actors = r.json()["data"]["result"]["result"]
+        return [a["node_id"] for a in actors
+                if a.get("class_name") == f"ServeReplica:{app}:{deployment}" and a.get("state") == "ALIVE"]
+
+    def wait_for_nodes(self, count: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if len(self.ray_nodes()) >= count:
+                    return
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"the cluster did not reach {count} nodes; logs in {self.temp_dir}")
+
+    def deploy(self, config: str) -> None:
+        subprocess.run([str(BIN / "serve"), "deploy", config, "--address", f"http://127.0.0.1:{self.dashboard_port}"],
+                       check=True, cwd=ROOT, env=self._env(), capture_output=True, timeout=120)
+
+    def serve_status(self) -> dict:
+        out = subprocess.run([str(BIN / "serve"), "status", "--address", f"http://127.0.0.1:{self.dashboard_port}"],
+                             check=True, cwd=ROOT, env=self._env(), capture_output=True, timeout=60, text=True)
+        import yaml
+
+        return yaml.safe_load(out.stdout)
+
+    def kill(self, node: Node, sig: int = signal.SIGKILL) -> None:
+        """Stop one node: its process group, by the id of the process that started it."""
+        try:
+            os.killpg(node.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        for node in reversed(self.nodes):         # workers first, head last
+            self.kill(node, signal.SIGTERM)       # `ray start --block` stops its node's processes on SIGTERM
+        deadline = time.monotonic() + 30
+        while self.alive_nodes() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for node in self.alive_nodes():
+            self.kill(node, signal.SIGKILL)
+        self.nodes = []
+
+    def save(self, path: Path = STATE) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2))
+        path.chmod(0o600)     # it holds the cluster's token
+
+    @classmethod
+    def load(cls, path: Path = STATE) -> "LocalCluster":
+        data = json.loads(path.read_text())
+        data["nodes"] = [Node(**n) for n in data["nodes"]]
+        return cls(**data)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m cluster.local_cluster", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=("up", "status", "down"))
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--config", default=str(ROOT / "cluster" / "serve_config.local.yaml"))
+    args = p.parse_args()
+    if args.action == "up":
+        if STATE.exists():
+            sys.exit(f"{STATE} exists: a cluster from this checkout may be running; run `down` first")
+        cluster = LocalCluster()
+        cluster.save()
+        cluster.start_head()
+        cluster.save()
+        for _ in range(args.workers):
+            cluster.add_worker()
+            cluster.save()
+        cluster.deploy(args.config)
+        print(f"ray: {cluster.address}  dashboard: http://127.0.0.1:{cluster.dashboard_port}  "
+              f"nodes: {[n.name for n in cluster.nodes]}  logs: {cluster.temp_dir}")
+    elif args.action == "status":
+        cluster = LocalCluster.load()
+        print(json.dumps(cluster.serve_status(), indent=2, default=str))
+    else:
+        cluster = LocalCluster.load()
+        names = [n.name for n in cluster.nodes]
+        cluster.stop()
+        STATE.unlink()
+        print("stopped", ", ".join(names))
+
+
+if __name__ == "__main__":
+    main()

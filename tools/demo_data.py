@@ -1,0 +1,200 @@
+"""Synthetic data for the demo models: chat conversations and jevfmt decision questions.
+
+Everything is generated from a seed, so training (seed 0) and the held-out evaluation (another seed)
+see different questions drawn from the same distribution.
+"""
+from __future__ import annotations
+
+import random
+
+CAPITALS = {
+    "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Portugal": "Lisbon",
+    "Japan": "Tokyo", "China": "Beijing", "India": "New Delhi", "Brazil": "Brasilia", "Canada": "Ottawa",
+    "Mexico": "Mexico City", "Egypt": "Cairo", "Kenya": "Nairobi", "Nigeria": "Abuja", "Peru": "Lima",
+    "Chile": "Santiago", "Argentina": "Buenos Aires", "Russia": "Moscow", "Poland": "Warsaw", "Greece": "Athens",
+    "Turkey": "Ankara", "Sweden": "Stockholm", "Norway": "Oslo", "Finland": "Helsinki", "Denmark": "Copenhagen",
+    "Ireland": "Dublin", "Austria": "Vienna", "Hungary": "Budapest", "Belgium": "Brussels",
+    "Netherlands": "Amsterdam", "Switzerland": "Bern", "Australia": "Canberra", "Thailand": "Bangkok",
+    "Vietnam": "Hanoi", "Indonesia": "Jakarta", "Iran": "Tehran", "Iraq": "Baghdad", "Morocco": "Rabat",
+    "Ghana": "Accra", "Ethiopia": "Addis Ababa", "Colombia": "Bogota", "Cuba": "Havana", "Ukraine": "Kyiv",
+    "Romania": "Bucharest", "Czechia": "Prague", "Iceland": "Reykjavik", "Nepal": "Kathmandu",
+    "Pakistan": "Islamabad", "Philippines": "Manila", "Malaysia": "Kuala Lumpur",
+}
+
+GREETINGS = [("hello", "Hello! How can I help you today?"), ("hi", "Hi! What would you like to know?"),
+             ("hey there", "Hey! Ask me about capitals or arithmetic."),
+             ("good morning", "Good morning! How can I help?"),
+             ("how are you?", "I am doing well, thank you. How can I help?"),
+             ("thanks", "You are welcome!"), ("thank you", "You are welcome!"),
+             ("who are you?", "I am a small demo assistant. I know capitals and I can use a calculator."),
+             ("what can you do?", "I can tell you the capital of a country and do arithmetic with my calculator."),
+             ("bye", "Goodbye! Have a nice day."), ("goodbye", "Goodbye! Have a nice day.")]
+
+FACT_TEMPLATES = ["What is the capital of {c}?", "what is the capital of {c}", "Capital of {c}?",
+                  "Tell me the capital of {c}.", "Which city is the capital of {c}?", "Do you know the capital of {c}?",
+                  "What's the capital city of {c}?", "{c} capital?"]
+FOLLOW_FACT = ["And {c}?", "What about {c}?", "And the capital of {c}?", "How about {c}?"]
+
+OPS = {"+": ["plus", "+"], "-": ["minus", "-"], "*": ["times", "*", "multiplied by"]}
+MATH_TEMPLATES = ["What is {a} {op} {b}?", "what is {a} {op} {b}", "Compute {a} {op} {b}.", "{a} {op} {b} = ?",
+                  "Calculate {a} {op} {b}.", "How much is {a} {op} {b}?", "Please work out {a} {op} {b}."]
+FOLLOW_MATH = ["And {a} {op} {b}?", "Now {a} {op} {b}.", "What about {a} {op} {b}?"]
+
+
+def _number(rng: random.Random) -> int:
+    return rng.randint(0, 10 ** rng.randint(1, 4) - 1)
+
+
+def fact_turn(rng, follow=False):
+    country = rng.choice(list(CAPITALS))
+    q = rng.choice(FOLLOW_FACT if follow else FACT_TEMPLATES).format(c=country)
+    return q, [{"type": "text", "text": f"The capital of {country} is {CAPITALS[country]}."}], CAPITALS[country]
+
+
+def math_turn(rng, follow=False):
+    a, b = _number(rng), _number(rng)
+    op = rng.choice(list(OPS))
+    if op == "*":
+        b = rng.randint(0, 999)
+    word = rng.choice(OPS[op])
+    q = rng.choice(FOLLOW_MATH if follow else MATH_TEMPLATES).format(a=a, op=word, b=b)
+    value = eval(f"{a}{op}{b}")   # noqa: S307 - our own integers, for the training target only
+    parts = [{"type": "python", "text": f"{a}{op}{b}"}, {"type": "python_output", "text": str(value)},
+             {"type": "text", "text": f"The answer is {value}."}]
+    return q, parts, str(value)
+
+
+def greeting_turn(rng, follow=False):
+    q, a = rng.choice(GREETINGS)
+    if rng.random() < 0.5:
+        q = q.capitalize()
+    return q, [{"type": "text", "text": a}], a
+
+
+def conversation(rng: random.Random) -> tuple[list[dict], str]:
+    """A conversation ending with an assistant turn, and the kind of its last question."""
+    turns = rng.choice([1, 1, 2, 2, 3])
+    msgs, kind = [], None
+    for t in range(turns):
+        kind = rng.choices(["fact", "math", "greet"], weights=[4, 4, 1])[0]
+        follow = t > 0 and kind != "greet" and rng.random() < 0.5
+        q, parts, _ = {"fact": fact_turn, "math": math_turn, "greet": greeting_turn}[kind](rng, follow)
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": parts}]
+    return msgs, kind
+
+
+def eval_questions(seed: int, n: int, kind: str) -> list[tuple[list[dict], str]]:
+    """Held-out questions: (messages ending with a user turn, the string the answer must contain)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        msgs = []
+        if rng.random() < 0.3:   # a previous exchange first: multi-turn
+            pq, pparts, _ = fact_turn(rng)
+            msgs += [{"role": "user", "content": pq}, {"role": "assistant", "content": pparts}]
+        q, _, expected = (fact_turn if kind == "fact" else math_turn)(rng, follow=bool(msgs) and rng.random() < 0.5)
+        out.append((msgs + [{"role": "user", "content": q}], expected))
+    return out
+
+
+def chat_corpus_text(n: int = 4000, seed: int = 0) -> list[str]:
+    """Plain text of generated conversations, for training the tokenizer."""
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(n):
+        msgs, _ = conversation(rng)
+        for m in msgs:
+            texts.append(m["content"] if isinstance(m["content"], str) else " ".join(p["text"] for p in m["content"]))
+    return texts
+
+
+# ---- decision questions (jevfmt wire format)
+
+CATEGORIES = {
+    "fruit": ["apple", "banana", "cherry", "grape", "mango", "peach", "pear", "plum", "lemon", "orange", "kiwi",
+              "melon"],
+    "animal": ["cat", "dog", "horse", "tiger", "lion", "zebra", "mouse", "rabbit", "sheep", "goat", "wolf", "bear"],
+    "color": ["red", "blue", "green", "yellow", "purple", "brown", "black", "white", "pink", "gray", "orange hue",
+              "violet"],
+    "tool": ["hammer", "saw", "drill", "wrench", "chisel", "shovel", "rake", "axe", "pliers", "ladder",
+             "screwdriver", "file"],
+    "vehicle": ["car", "bus", "train", "truck", "bicycle", "boat", "plane", "tram", "scooter", "van", "ship",
+                "tractor"],
+}
+FILLER = ["The weather is mild today.", "A meeting is planned for Monday.", "The report was sent last week.",
+          "Nobody answered the phone.", "The office opens at nine.", "Lunch is served at noon.",
+          "The printer is out of paper.", "A new sign was put on the door."]
+
+
+def _state(rng, lines: list[str]) -> str:
+    filler = [rng.choice(FILLER) for _ in range(rng.randint(0, 6))]
+    allines = lines + filler
+    rng.shuffle(allines)
+    return " ".join(allines)
+
+
+def choice_category(rng):
+    cat = rng.choice(list(CATEGORIES))
+    others = [c for c in CATEGORIES if c != cat]
+    n = rng.randint(2, 6)
+    answer = rng.choice(CATEGORIES[cat])
+    distractors = rng.sample([w for c in others for w in CATEGORIES[c]], n - 1)
+    items = [answer] + distractors
+    rng.shuffle(items)
+    ids = [f"o{i}" for i in range(len(items))]
+    crit = dict(zip(ids, items))
+    truth = ids[items.index(answer)]
+    state = _state(rng, [])
+    return state, {"type": "choice", "question": f"Which option is a {cat}?", "criteria": crit}, truth
+
+
+def choice_largest(rng):
+    n = rng.randint(2, 5)
+    nums = rng.sample(range(100), n)
+    ids = [f"n{i}" for i in range(n)]
+    crit = {i: str(v) for i, v in zip(ids, nums)}
+    truth = ids[nums.index(max(nums))]
+    return _state(rng, []), {"type": "choice", "question": "Which number is the largest?", "criteria": crit}, truth
+
+
+def noul_compare(rng):
+    a, b = rng.sample(range(100), 2)
+    names = rng.sample(["Ann", "Bob", "Cid", "Dee", "Eve", "Fay", "Gus", "Hal"], 2)
+    state = _state(rng, [f"{names[0]} has {a} coins.", f"{names[1]} has {b} coins."])
+    if rng.random() < 0.5:
+        q, truth = f"Does {names[0]} have more coins than {names[1]}?", a > b
+    else:
+        q, truth = f"Does {names[1]} have more coins than {names[0]}?", b > a
+    return state, {"type": "noul", "question": q}, "true" if truth else "false"
+
+
+def score_count(rng):
+    cat = rng.choice(list(CATEGORIES))
+    k = rng.randint(0, 3)
+    others = [w for c in CATEGORIES if c != cat for w in CATEGORIES[c]]
+    items = rng.sample(CATEGORIES[cat], k) + rng.sample(others, rng.randint(1, 4))
+    rng.shuffle(items)
+    state = _state(rng, [f"The basket holds: {', '.join(items)}."])
+    levels = ["none", "one", "two", "three"]
+    return state, {"type": "score", "question": f"How many items in the basket are a {cat}?",
+                   "criteria": levels}, str(k)
+
+
+DECISION_TASKS = {"choice_category": choice_category, "choice_largest": choice_largest, "noul": noul_compare,
+                  "score": score_count}
+
+
+def decision_example(rng):
+    name = rng.choice(list(DECISION_TASKS))
+    state, question, truth = DECISION_TASKS[name](rng)
+    return name, state, question, truth
+
+
+def decision_corpus_text(n: int = 3000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        _, state, q, _ = decision_example(rng)
+        out.append(state + " " + q["question"] + " " + " ".join(
+            q["criteria"].values() if isinstance(q.get("criteria"), dict) else q.get("criteria") or []))
+    return out + [str(i) for i in range(100)] * 20

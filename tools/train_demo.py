@@ -1,0 +1,157 @@
+"""Train the embedded demo models on CPU from synthetic data, reproducibly from a fixed seed.
+
+    python -m tools.train_demo chat [--out models/demo-chat] [--steps N]
+    python -m tools.train_demo decision [--out models/demo-decision] [--steps N]
+
+chat: a rustbpe tokenizer (~2k tokens) and a small nanochat-architecture model trained on generated
+conversations (greetings, capitals of 50 countries, arithmetic through the calculator, follow-ups), with
+the loss on the assistant's own tokens only (not the user's, not the calculator's forced output).
+decision: a `tokenizers` BPE and a small Qwen3.5 hybrid (Gated DeltaNet + full attention) trained on
+generated jevfmt questions, with the loss on the answer letter only. Weights are saved in bf16.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+
+from core.chat import ChatDefaults, ChatModelConfig, ChatPrompter, build_model, save_chat_model
+from core.chat.model import init_weights
+from core.chat.tokenizer import train_tokenizer
+from tools import demo_data as D
+
+logger = logging.getLogger("train_demo")
+
+FEWSHOT = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hello! How can I help you today?"}]
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int = 100) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
+
+
+def render_training(prompter: ChatPrompter, msgs: list[dict]) -> tuple[list[int], list[int]]:
+    """ids of prefix + conversation, and a mask of the tokens the model must learn to produce."""
+    tok = prompter.tok
+    forced = {tok.encode_special("<|output_start|>"), tok.encode_special("<|output_end|>")}
+    ids, mask = list(prompter.prefix_ids), [0] * len(prompter.prefix_ids)
+    for i, m in enumerate(msgs):
+        turn = prompter._turn(m, f"messages[{i}]")
+        if m["role"] == "user":
+            ids += turn
+            mask += [0] * len(turn)
+            continue
+        inside_output = False
+        for j, t in enumerate(turn):
+            learn = j > 0 and not inside_output and t not in forced
+            if t == tok.encode_special("<|output_start|>"):
+                inside_output = True
+            elif t == tok.encode_special("<|output_end|>"):
+                inside_output = False
+            ids.append(t)
+            mask.append(1 if learn else 0)
+    return ids, mask
+
+
+def train_chat(out: str, steps: int, seed: int = 0, batch: int = 32) -> None:
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tok = train_tokenizer(D.chat_corpus_text(seed=seed), 2048)
+    cfg = ChatModelConfig(arch="nanochat", vocab_size=tok.vocab_size, n_layer=4, n_head=4, n_kv_head=4, n_embd=128,
+                          sequence_len=512)
+    model = init_weights(build_model(cfg), seed=seed, std=0.02).train()
+    prompter = ChatPrompter(tok, cfg.sequence_len, FEWSHOT)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    t0 = time.time()
+    for step in range(steps):
+        seqs = [render_training(prompter, D.conversation(rng)[0]) for _ in range(batch)]
+        T = max(len(s) for s, _ in seqs)
+        ids = torch.zeros(batch, T, dtype=torch.long)
+        mask = torch.zeros(batch, T)
+        for b, (s, m) in enumerate(seqs):
+            ids[b, :len(s)], mask[b, :len(m)] = torch.tensor(s), torch.tensor(m, dtype=torch.float)
+        logits = model(ids[:, :-1])
+        loss_all = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
+        loss = (loss_all * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, 3e-3)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 100 == 0 or step == steps - 1:
+            logger.info("chat step %d/%d loss %.4f (%.0fs)", step, steps, loss.item(), time.time() - t0)
+    defaults = ChatDefaults(fewshot=FEWSHOT, temperature=0.0, top_k=None, top_p=1.0, max_tokens=64)
+    save_chat_model(out, model.eval(), tok, defaults, dtype=torch.bfloat16)
+
+
+def train_decision(out: str, steps: int, seed: int = 0, batch: int = 32) -> None:
+    from core.decision import jevfmt as J
+    from core.decision.checkpoint import (hybrid_text_config, new_hybrid_model, save_decision_checkpoint,
+                                          train_decision_tokenizer)
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tok = train_decision_tokenizer(D.decision_corpus_text(seed=seed), 1024)
+    letters = J.letter_token_ids(tok)
+    cfg = hybrid_text_config(len(tok), hidden=128, layers=4, heads=4, pad_token_id=tok.pad_token_id)
+    model = new_hybrid_model(cfg, seed=seed).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    t0 = time.time()
+    for step in range(steps):
+        prompts, targets = [], []
+        for _ in range(batch):
+            _, state, q, truth = D.decision_example(rng)
+            row = J.from_systemone(state, q)
+            order = [o.id for o in row.options]
+            rng.shuffle(order)
+            ids, _ = J.render_ids(row, tok, order, 4096)
+            prompts.append(ids)
+            targets.append(letters[order.index(truth)])
+        T = max(len(p) for p in prompts)
+        ids = torch.full((batch, T), tok.pad_token_id, dtype=torch.long)
+        attn = torch.zeros(batch, T, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, :len(p)], attn[b, :len(p)] = torch.tensor(p), 1
+        hidden = model.model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+        last = hidden[torch.arange(batch), attn.sum(1) - 1]
+        logits = model.lm_head(last)
+        loss = F.cross_entropy(logits, torch.tensor(targets))
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, 2e-3)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 100 == 0 or step == steps - 1:
+            logger.info("decision step %d/%d loss %.4f (%.0fs)", step, steps, loss.item(), time.time() - t0)
+    save_decision_checkpoint(out, model.eval().to(torch.bfloat16), tok,
+                             temperature_by_type={"choice": 1.0, "noul": 1.0, "score": 1.0})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m tools.train_demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("which", choices=("chat", "decision"))
+    p.add_argument("--out")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.which == "chat":
+        train_chat(args.out or "models/demo-chat", args.steps or DEFAULT_STEPS["chat"], args.seed)
+    else:
+        train_decision(args.out or "models/demo-decision", args.steps or DEFAULT_STEPS["decision"], args.seed)
+
+
+DEFAULT_STEPS = {"chat": 4000, "decision": 3200}   # about 25 minutes each on a 2-core CPU
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""The production manifests stay in step with serve_config.yaml."""
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_rayservice_serves_serve_config():
+    rs = yaml.safe_load((ROOT / "cluster" / "rayservice.yaml").read_text())
+    assert rs["kind"] == "RayService"
+    assert yaml.safe_load(rs["spec"]["serveConfigV2"]) == yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    cluster = rs["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    (gpu,) = cluster["workerGroupSpecs"]
+    assert gpu["minReplicas"] <= gpu["replicas"] <= gpu["maxReplicas"]
+    limits = gpu["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == "1"
+    serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    deps = {d["name"]: d for d in serve["applications"][0]["deployments"]}
+    most_gpus = sum(deps[n]["autoscaling_config"]["max_replicas"] for n in ("ChatModel", "DecisionModel"))
+    assert gpu["maxReplicas"] >= most_gpus, "the node group must be able to hold every model replica"
+    env = {e["name"] for e in gpu["template"]["spec"]["containers"][0]["env"]}
+    assert {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} <= env
+
+
+def test_cluster_launcher_config():
+    cfg = yaml.safe_load((ROOT / "cluster" / "cluster.yaml").read_text())
+    types = cfg["available_node_types"]
+    assert types[cfg["head_node_type"]]["resources"] == {"CPU": 0}
+    assert types["gpu_worker"]["max_workers"] >= types["gpu_worker"]["min_workers"]
+    assert any("-c constraints.txt" in c and "[gpu]" in c for c in cfg["worker_setup_commands"])
+    assert any("serve deploy serve_config.yaml" in c for c in cfg["head_start_ray_commands"])

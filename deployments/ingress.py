@@ -166,20 +166,23 @@ class Ingress:
         chat, decision = await asyncio.gather(self.chat.stats.remote(), self.decision.stats.remote())
         return {"chat": chat, "decision": decision}
 
-    @app.post("/v1/systemone")
-    async def systemone(self, request: Request):
+    async def _parse(self, request: Request, schema):
+        """Key check, bounded body, JSON, schema: a parsed request or an APIError."""
         self._authorize(request)
         data = await self._json(request)
         try:
-            req = DecisionRequest.model_validate(data)
+            return schema.model_validate(data)
         except ValidationError as e:
             msg, param = validation_message(e)
             raise APIError(error(msg, param=param)) from None
+
+    @app.post("/v1/systemone")
+    async def systemone(self, request: Request):
+        req = await self._parse(request, DecisionRequest)
         if len(req.questions) > self.max_questions:
             raise APIError(error(f"at most {self.max_questions} questions per request", param="questions"))
-        model = data.get("model")
-        if model is not None and model != (await self.decision_info())["id"]:
-            raise APIError(error(f"unknown model {model!r}", "not_found_error", "model", "model_not_found"))
+        if req.model is not None and req.model != (await self.decision_info())["id"]:
+            raise APIError(error(f"unknown model {req.model!r}", "not_found_error", "model", "model_not_found"))
         payload = {"state": req.state, "questions": {k: q.model_dump() for k, q in req.questions.items()}}
         result = await self._retrying(lambda: self.decision.decide.remote(payload), "decision")
         if "error" in result:
@@ -188,13 +191,7 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        self._authorize(request)
-        data = await self._json(request)
-        try:
-            req = ChatCompletionRequest.model_validate(data)
-        except ValidationError as e:
-            msg, param = validation_message(e)
-            raise APIError(error(msg, param=param)) from None
+        req = await self._parse(request, ChatCompletionRequest)
         info = await self.chat_info()
         if req.model is not None and req.model != info["id"]:
             raise APIError(error(f"unknown model {req.model!r}; this service serves {info['id']!r}",

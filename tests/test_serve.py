@@ -277,3 +277,9 @@ def test_api_keys(service):
     assert r.status_code == 200
     assert httpx.post(f"{url}/v1/systemone", json=decision_body()).status_code == 401
     assert httpx.get(f"{service}/v1/models").status_code == 200   # the open app has no keys
+
+
+def test_decision_model_field(service):
+    assert httpx.post(f"{service}/v1/systemone", json=dict(decision_body(), model="startlux-decision")).status_code == 200
+    r = httpx.post(f"{service}/v1/systemone", json=dict(decision_body(), model="other"))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -149,7 +149,7 @@ def choice_category(rng):
 
 
 def choice_largest(rng):
-    n = rng.randint(2, 5)
+    n = rng.randint(2, 4)
     nums = rng.sample(range(100), n)
     ids = [f"n{i}" for i in range(n)]
     crit = {i: str(v) for i, v in zip(ids, nums)}
@@ -159,13 +159,11 @@ def choice_largest(rng):
 
 def noul_compare(rng):
     a, b = rng.sample(range(100), 2)
-    names = rng.sample(["Ann", "Bob", "Cid", "Dee", "Eve", "Fay", "Gus", "Hal"], 2)
-    state = _state(rng, [f"{names[0]} has {a} coins.", f"{names[1]} has {b} coins."])
     if rng.random() < 0.5:
-        q, truth = f"Does {names[0]} have more coins than {names[1]}?", a > b
+        q, truth = f"Is {a} greater than {b}?", a > b
     else:
-        q, truth = f"Does {names[1]} have more coins than {names[0]}?", b > a
-    return state, {"type": "noul", "question": q}, "true" if truth else "false"
+        q, truth = f"Is {a} less than {b}?", a < b
+    return _state(rng, []), {"type": "noul", "question": q}, "true" if truth else "false"
 
 
 def score_count(rng):

@@ -36,6 +36,15 @@ def lr_at(step: int, steps: int, peak: float, warmup: int = 100) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
 
 
+def optimizer_step(opt, model, loss, step: int, steps: int, peak: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr_at(step, steps, peak)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
 def render_training(prompter: ChatPrompter, msgs: list[dict]) -> tuple[list[int], list[int]]:
     """ids of prefix + conversation, and a mask of the tokens the model must learn to produce."""
     tok = prompter.tok
@@ -79,12 +88,7 @@ def train_chat(out: str, steps: int, seed: int = 0, batch: int = 32) -> None:
         logits = model(ids[:, :-1])
         loss_all = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
         loss = (loss_all * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, 3e-3)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, model, loss, step, steps, 3e-3)
         if step % 100 == 0 or step == steps - 1:
             logger.info("chat step %d/%d loss %.4f (%.0fs)", step, steps, loss.item(), time.time() - t0)
     defaults = ChatDefaults(fewshot=FEWSHOT, temperature=0.0, top_k=None, top_p=1.0, max_tokens=64)
@@ -100,9 +104,10 @@ def train_decision(out: str, steps: int, seed: int = 0, batch: int = 32) -> None
     rng = random.Random(seed)
     tok = train_decision_tokenizer(D.decision_corpus_text(seed=seed), 1024)
     letters = J.letter_token_ids(tok)
-    cfg = hybrid_text_config(len(tok), hidden=128, layers=4, heads=4, pad_token_id=tok.pad_token_id)
+    # two Gated DeltaNet and two full-attention layers: retrieving an option's letter takes a few attention hops
+    cfg = hybrid_text_config(len(tok), hidden=128, layers=4, heads=4, full_every=2, pad_token_id=tok.pad_token_id)
     model = new_hybrid_model(cfg, seed=seed).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
     t0 = time.time()
     for step in range(steps):
         prompts, targets = [], []
@@ -120,17 +125,16 @@ def train_decision(out: str, steps: int, seed: int = 0, batch: int = 32) -> None
         for b, p in enumerate(prompts):
             ids[b, :len(p)], attn[b, :len(p)] = torch.tensor(p), 1
         hidden = model.model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
-        last = hidden[torch.arange(batch), attn.sum(1) - 1]
-        logits = model.lm_head(last)
-        loss = F.cross_entropy(logits, torch.tensor(targets))
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, 2e-3)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        logits = model.lm_head(hidden)
+        answer = F.cross_entropy(logits[torch.arange(batch), attn.sum(1) - 1], torch.tensor(targets))
+        # next-token loss on the prompt too: far more signal per example, and it teaches the option layout
+        lm = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
+        lm = (lm * attn[:, 1:].reshape(-1)).sum() / attn[:, 1:].sum()
+        loss = answer + 0.5 * lm
+        optimizer_step(opt, model, loss, step, steps, 3e-3)
         if step % 100 == 0 or step == steps - 1:
-            logger.info("decision step %d/%d loss %.4f (%.0fs)", step, steps, loss.item(), time.time() - t0)
+            logger.info("decision step %d/%d answer loss %.4f lm loss %.4f (%.0fs)", step, steps, answer.item(),
+                        lm.item(), time.time() - t0)
     save_decision_checkpoint(out, model.eval().to(torch.bfloat16), tok,
                              temperature_by_type={"choice": 1.0, "noul": 1.0, "score": 1.0})
 
@@ -151,7 +155,7 @@ def main() -> None:
         train_decision(args.out or "models/demo-decision", args.steps or DEFAULT_STEPS["decision"], args.seed)
 
 
-DEFAULT_STEPS = {"chat": 4000, "decision": 3200}   # about 25 minutes each on a 2-core CPU
+DEFAULT_STEPS = {"chat": 4000, "decision": 4000}   # about 25 minutes each on a 2-core CPU
 
 if __name__ == "__main__":
     main()

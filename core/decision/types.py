@@ -23,6 +23,7 @@ class DecisionRequest(BaseModel):
 
     state: Any = None
     questions: dict[str, Question] = Field(min_length=1)
+    model: str | None = None          # optional; when given, it must name the decision model
 
 
 class ChoiceAnswer(BaseModel):

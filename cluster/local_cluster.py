@@ -4,8 +4,8 @@
     python -m cluster.local_cluster status
     python -m cluster.local_cluster down
 
-`up` starts a head node (no model resources: controller, proxy, ingress) and worker nodes that each
-offer one `model_node` resource, so model replicas land on workers and can be pinned to them; then it
+`up` starts a head node (no model resources: controller, proxy, and the ingress, pinned there by a
+`head_node` resource) and worker nodes that each offer one `model_node` resource, so model replicas land on workers and can be pinned to them; then it
 deploys the config with `serve deploy`, as production does. Each node is one `ray start --block`
 process in its own session: stopping a node means stopping that process group by its own id, which
 takes down exactly the processes that node started and nothing else on the machine. The ids live in a
@@ -46,6 +46,9 @@ class Node:
     log: str
 
 
+_PROCS: dict[int, subprocess.Popen] = {}     # nodes started by this process, so that they can be reaped
+
+
 @dataclass
 class LocalCluster:
     gcs_port: int = field(default_factory=free_port)
@@ -68,6 +71,7 @@ class LocalCluster:
             proc = subprocess.Popen([str(BIN / "ray"), "start", "--block", "--node-ip-address", "127.0.0.1",
                                      *ports, *args], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
                                     start_new_session=True, env=self._env())
+        _PROCS[proc.pid] = proc
         node = Node(name, proc.pid, log)
         self.nodes.append(node)
         return node
@@ -83,6 +87,7 @@ class LocalCluster:
 
     def start_head(self, num_cpus: int = 4) -> Node:
         node = self._start("head", ["--head", "--port", str(self.gcs_port), "--num-cpus", str(num_cpus),
+                                    "--resources", json.dumps({"head_node": 1}),
                                     "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
                                     "--dashboard-port", str(self.dashboard_port), "--temp-dir", self.temp_dir])
         self.wait_for_nodes(1)
@@ -98,6 +103,9 @@ class LocalCluster:
     def alive_nodes(self) -> list[Node]:
         out = []
         for n in self.nodes:
+            proc = _PROCS.get(n.pid)
+            if proc is not None and proc.poll() is not None:   # reaped: a zombie would still look alive
+                continue
             try:
                 os.killpg(n.pid, 0)
                 out.append(n)
@@ -146,6 +154,8 @@ class LocalCluster:
             os.killpg(node.pid, sig)
         except ProcessLookupError:
             pass
+        if sig == signal.SIGKILL and node.pid in _PROCS:
+            _PROCS[node.pid].wait(timeout=30)
 
     def stop(self) -> None:
         for node in reversed(self.nodes):         # workers first, head last

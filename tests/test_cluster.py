@@ -52,11 +52,20 @@ def healthy(url):
         return False
 
 
-def replicas_ready(c, n=2):
+def replicas_ready(c, n=2, on=None):
+    """Each model has replicas on n distinct nodes (one of them in `on`, when given)."""
     try:
-        return all(len(set(c.replica_nodes(d))) == n for d in ("ChatModel", "DecisionModel"))
+        for d in ("ChatModel", "DecisionModel"):
+            nodes = set(c.replica_nodes(d))
+            if len(nodes) != n or (on is not None and not nodes & on):
+                return False
+        return True
     except (httpx.HTTPError, KeyError, ValueError):
         return False
+
+
+def node_ids(c):
+    return {n["raylet"]["nodeId"] for n in c.ray_nodes()}
 
 
 def wait_until(cond, timeout, message):
@@ -114,11 +123,14 @@ def test_node_loss_under_load(cluster):
         load = asyncio.create_task(decision_load(url, stop, results))
         streams = [asyncio.create_task(chat_stream(url, 3000)) for _ in range(6)]
         await asyncio.sleep(4)
+        before = node_ids(c)
         killed_at = time.monotonic()
         c.kill(workers[1])                    # the node dies: SIGKILL to all of its processes
         # the autoscaler's part: a replacement node joins; Serve places the lost replicas on it
         await asyncio.to_thread(c.add_worker)
-        await asyncio.to_thread(wait_until, lambda: replicas_ready(c), 240, "the service did not recover")
+        await asyncio.to_thread(wait_until, lambda: node_ids(c) - before, 120, "the new node did not join")
+        new = node_ids(c) - before
+        await asyncio.to_thread(wait_until, lambda: replicas_ready(c, on=new), 240, "the service did not recover")
         recovered_at = time.monotonic()
         outcomes = await asyncio.wait_for(asyncio.gather(*streams), 180)
         await asyncio.sleep(3)

@@ -134,7 +134,7 @@ def test_sixteen_concurrent_streams_interleave(service):
             return await asyncio.gather(*(one(client, i) for i in range(16)))
 
     results = asyncio.run(main())
-    assert all(finish == "length" for _, finish in results)
+    assert all(finish == "length" for _, finish in results), [(len(t), f) for t, f in results]
     spans = sorted((t[0], t[-1]) for t, _ in results)
     overlapping = sum(1 for (s1, e1), (s2, e2) in zip(spans, spans[1:]) if s2 < e1)
     assert overlapping >= 8, "streams must run side by side, not one after another"

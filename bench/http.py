@@ -7,7 +7,8 @@
 Chat with 1, 8 and 32 concurrent streams (time to first token and inter-token latency p50/p99, aggregate
 tokens/s), decisions with 32 concurrent clients (questions/s, p50/p99), and the baseline (one generation
 at a time under a lock, no KV cache; bench/baseline.py) started here on another port. Streams count
-content chunks as tokens on both sides, so the comparison is like for like.
+chunks that carry output (text, or a calculator call or result) on both sides, so the comparison is like
+for like.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import time
 
 import httpx
 
-PROMPTS = ["hello how are you", "what is the capital of france", "the cat sat on the mat", "tell me a story"]
+PROMPTS = ["hello", "What is the capital of France?", "What is 1234 times 56?", "Capital of Peru?"]
 
 
 def pct(values, q):
@@ -42,7 +43,8 @@ async def one_stream(client, url, i, max_tokens):
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                delta = chunk["choices"][0]["delta"] if chunk.get("choices") else {}
+                if delta.get("content") or delta.get("parts"):     # text, or a calculator call or result
                     times.append(time.perf_counter())
     return t0, times
 

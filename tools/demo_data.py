@@ -182,9 +182,21 @@ DECISION_TASKS = {"choice_category": choice_category, "choice_largest": choice_l
                   "score": score_count}
 
 
-def decision_example(rng):
+def knowledge_sentences(rng, n: int) -> list[str]:
+    """Plain statements of category membership ("A pear is a fruit."). Training states carry a few at random,
+    so that the next-token loss teaches which word belongs to which category; held-out questions have none."""
+    out = []
+    for _ in range(n):
+        cat = rng.choice(list(CATEGORIES))
+        out.append(f"A {rng.choice(CATEGORIES[cat])} is a {cat}.")
+    return out
+
+
+def decision_example(rng, knowledge: bool = False):
     name = rng.choice(list(DECISION_TASKS))
     state, question, truth = DECISION_TASKS[name](rng)
+    if knowledge and rng.random() < 0.5:
+        state = " ".join(knowledge_sentences(rng, rng.randint(1, 4)) + ([state] if state else []))
     return name, state, question, truth
 
 

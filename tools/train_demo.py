@@ -112,7 +112,7 @@ def train_decision(out: str, steps: int, seed: int = 0, batch: int = 32) -> None
     for step in range(steps):
         prompts, targets = [], []
         for _ in range(batch):
-            _, state, q, truth = D.decision_example(rng)
+            _, state, q, truth = D.decision_example(rng, knowledge=True)
             row = J.from_systemone(state, q)
             order = [o.id for o in row.options]
             rng.shuffle(order)

@@ -41,7 +41,7 @@ def service(tmp_path_factory, tokenizer):
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     small = {"ray_actor_options": {"num_cpus": 0.1}}
-    options = {"ChatModel": dict(small, max_ongoing_requests=64, max_queued_requests=8),
+    options = {"ChatModel": dict(small, max_ongoing_requests=64, max_queued_requests=64),
                "DecisionModel": dict(small, max_ongoing_requests=16, max_queued_requests=64,
                                      user_config={"max_batch_size": 16, "batch_wait_timeout_s": 0.05}),
                "Ingress": dict(small, max_ongoing_requests=256)}
@@ -123,6 +123,7 @@ def test_sixteen_concurrent_streams_interleave(service):
         times, finish = [], None
         body = {"messages": user(f"the cat {i}"), "max_tokens": 40, "stream": True}
         async with client.stream("POST", f"{service}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     times.append(time.monotonic())

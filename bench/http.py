@@ -17,7 +17,6 @@ import asyncio
 import json
 import platform
 import socket
-import statistics
 import threading
 import time
 

@@ -23,6 +23,7 @@ from .errors import error
 
 logger = logging.getLogger(__name__)
 
+GAUGE_PERIOD_S = 0.5   # engine gauges are sampled, not recomputed under the engine lock on every step
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 
 
@@ -40,11 +41,17 @@ class ChatMetrics:
         self.running = Gauge("chat_running_requests", "Requests holding KV-cache rows.", tag_keys=("model",))
         self.waiting = Gauge("chat_waiting_requests", "Requests waiting for free rows.", tag_keys=("model",))
         self.cache = Gauge("chat_kv_cache_usage", "Share of KV-cache positions in use (0-1).", tag_keys=("model",))
+        self._gauges_at = 0.0
         for m in (self.ttft, self.itl, self.e2e, self.generated, self.prompted, self.running, self.waiting,
                   self.cache):
             m.set_default_tags(dict(tags))   # Serve adds its own tags to the dict it is given
 
     def engine_step(self, engine: LLMEngine, events) -> None:
+        """Called on the engine thread after every step; the gauges refresh at most every GAUGE_PERIOD_S."""
+        now = time.monotonic()
+        if now - self._gauges_at < GAUGE_PERIOD_S:
+            return
+        self._gauges_at = now
         s = engine.stats()
         self.running.set(s.running)
         self.waiting.set(s.waiting)

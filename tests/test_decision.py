@@ -1,6 +1,5 @@
 """The StartLux-Decision scorer on tiny random hybrid checkpoints (Qwen3.5 text: Gated DeltaNet + full attention)."""
 import json
-import math
 import os
 import threading
 

@@ -148,7 +148,6 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.which == "chat":
         train_chat(args.out or "models/demo-chat", args.steps or DEFAULT_STEPS["chat"], args.seed)
     else:

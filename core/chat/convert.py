@@ -11,7 +11,6 @@ unpickled `tiktoken.Encoding`, so only convert files you trust. Weights are read
 from __future__ import annotations
 
 import argparse
-import base64
 import glob
 import logging
 import os
@@ -24,7 +23,7 @@ import tiktoken
 from .checkpoint import save_chat_model
 from .config import ChatModelConfig, CheckpointError, read_json
 from .model import build_model
-from .tokenizer import DEFAULT_PATTERN, SPECIAL_TOKENS, ChatTokenizer
+from .tokenizer import DEFAULT_PATTERN, ChatTokenizer, read_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +64,7 @@ def read_tokenizer(spec: str, pattern: str) -> ChatTokenizer:
     if spec.endswith(".pkl") or (os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "tokenizer.pkl"))):
         return read_pickled_tokenizer(spec)
     if os.path.isfile(spec):
-        ranks = {}
-        with open(spec, "rb") as f:
-            for line in f:
-                if line.strip():
-                    token, rank = line.split()
-                    ranks[base64.b64decode(token)] = int(rank)
-        return ChatTokenizer.from_ranks(ranks, pattern)
+        return ChatTokenizer.from_ranks(read_ranks(spec), pattern)
     raise CheckpointError(f"--tokenizer {spec!r}: not 'gpt2', a tokenizer directory, tokenizer.pkl or a .tiktoken file")
 
 

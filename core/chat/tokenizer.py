@@ -32,6 +32,17 @@ DEFAULT_PATTERN = (
 )
 
 
+def read_ranks(path: str) -> dict[bytes, int]:
+    """A tiktoken ranks file: one `base64(token) rank` per line."""
+    ranks: dict[bytes, int] = {}
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
 class ChatTokenizer:
     """Encode/decode text and look up the chat special tokens by name."""
 
@@ -66,14 +77,8 @@ class ChatTokenizer:
         for p in (bpe_path, cfg_path):
             if not os.path.isfile(p):
                 raise CheckpointError(f"{p}: missing tokenizer file")
-        ranks: dict[bytes, int] = {}
-        with open(bpe_path, "rb") as f:
-            for line in f:
-                if line.strip():
-                    token, rank = line.split()
-                    ranks[base64.b64decode(token)] = int(rank)
         cfg = read_json(cfg_path)
-        return cls(ranks, cfg["pattern"], cfg["special_tokens"], name=cfg.get("name", "chat"))
+        return cls(read_ranks(bpe_path), cfg["pattern"], cfg["special_tokens"], name=cfg.get("name", "chat"))
 
     def save(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)

@@ -77,9 +77,6 @@ class Row:
     state: str
     options: list[Option] = field(default_factory=list)
 
-    def __getitem__(self, key):     # the seed's rows were dicts; keep `row["type"]` working
-        return getattr(self, key)
-
 
 def template_from(config: dict | None) -> dict:
     tpl = dict(DEFAULT_TEMPLATE)

@@ -96,7 +96,7 @@ class _Prepared:
     state_text: str
     answers: dict            # answered without the model (single-option choice)
     prompts: list[_Prompt]   # questions of <= 26 options, rendered
-    wide: list[str]          # keys of choice questions with more than 26 options
+    wide: dict[str, list[_Prompt]]   # choice questions over 26 options -> their rendered first-round prompts
 
 
 class StartLuxDecision:
@@ -249,7 +249,7 @@ class StartLuxDecision:
             state_text = J.render_state(state)
         except J.FormatError as e:
             raise DecisionValidationError({"state": str(e)}) from None
-        answers, prompts, wide = {}, [], []
+        answers, prompts, wide = {}, [], {}
         for key, q in questions.items():
             try:
                 row = J.from_systemone(None, q, self.template, state_text)
@@ -257,9 +257,9 @@ class StartLuxDecision:
                     only = row.options[0].id
                     answers[key] = {"type": "choice", "choice": only, "confidence": 1.0, "probabilities": {only: 1.0}}
                 elif row.type == "choice" and len(row.options) > J.MAX_OPTIONS:
-                    for g in self._groups([o.id for o in row.options]):   # every first-round prompt must fit
-                        self._render(key, self._sub_row(state_text, q, g))
-                    wide.append(key)
+                    # rendering every first-round prompt now checks that each fits; _wide reuses them
+                    wide[key] = [self._render(key, self._sub_row(state_text, q, g))
+                                 for g in self._groups([o.id for o in row.options])]
                 else:
                     prompts.append(self._render(key, row))
             except J.FormatError as e:
@@ -268,12 +268,14 @@ class StartLuxDecision:
             raise DecisionValidationError(errors)
         return _Prepared(questions, state_text, answers, prompts, wide)
 
-    def _wide(self, state_text: str, spec: dict, key: str) -> tuple[dict[str, float], int]:
+    def _wide(self, state_text: str, spec: dict, key: str,
+              first_prompts: list[_Prompt] | None = None) -> tuple[dict[str, float], int]:
         """More than 26 options: near-equal groups, the top `keep` of each go to a final round (recursively);
         the others share `residual` of the mass in proportion to their first-round probabilities."""
         keys = list(spec["criteria"])
         groups = self._groups(keys)
-        first_prompts = [self._render(key, self._sub_row(state_text, spec, g)) for g in groups]
+        if first_prompts is None:
+            first_prompts = [self._render(key, self._sub_row(state_text, spec, g)) for g in groups]
         first = self._probs(first_prompts, use_graphs=False)
         tokens = sum(len(p.ids) for p in first_prompts)
         first_p = {k: p for g, ps in zip(groups, first) for k, p in zip(g, ps)}
@@ -311,8 +313,8 @@ class StartLuxDecision:
         tokens = sum(len(p.ids) for p in prep.prompts)
         for prompt, p in zip(prep.prompts, probs):
             answers[prompt.key] = self._answer(prompt.row, p)
-        for key in prep.wide:
-            dist, n = self._wide(prep.state_text, prep.questions[key], key)
+        for key, first_prompts in prep.wide.items():
+            dist, n = self._wide(prep.state_text, prep.questions[key], key, first_prompts)
             tokens += n
             best = max(dist, key=dist.get)
             answers[key] = {"type": "choice", "choice": best, "confidence": dist[best], "probabilities": dist}

@@ -1,14 +1,17 @@
 """HTTP benchmark of the running service, against a seed-001-style baseline on the same checkpoint.
 
-    .venv/bin/serve run serve_config.cpu.yaml &          # the service under test
-    python -m bench.http [--url http://127.0.0.1:8000] [--checkpoint models/demo-chat] [--json out.json]
-                         [--svg bench/http.svg]
+    RAY_SERVE_THROUGHPUT_OPTIMIZED=1 .venv/bin/serve run serve_config.cpu.yaml &    # the service under test
+    python -m bench.http [--url http://127.0.0.1:8000] [--direct-url http://127.0.0.1:30000]
+                         [--checkpoint models/demo-chat] [--per-client 4] [--json out.json] [--svg bench/http.svg]
 
 Chat with 1, 8 and 32 concurrent streams (time to first token and inter-token latency p50/p99, aggregate
-tokens/s), decisions with 32 concurrent clients (questions/s, p50/p99), and the baseline (one generation
-at a time under a lock, no KV cache; bench/baseline.py) started here on another port. Streams count
-chunks that carry output (text, or a calculator call or result) on both sides, so the comparison is like
-for like.
+tokens/s), through Serve's proxy (--url) and, with --direct-url, straight to the Ingress replica's own
+HTTP server (what a load balancer such as Ray's HAProxy ingress reaches in production), on two
+workloads: `question` (a single question) and `history` (six earlier exchanges, then a question). Each stream is a client that sends its next request when the previous one ends (`--per-client`
+requests), so concurrency holds steady instead of arriving as one burst. Then decisions with 32
+concurrent clients (questions/s, p50/p99), and the same chat runs against the baseline (one generation at a
+time under a lock, no KV cache; bench/baseline.py) started here on another port. Streams count chunks
+that carry output (text, or a calculator call or result) on both sides, so the comparison is like for like.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import argparse
 import asyncio
 import json
 import platform
+import random
 import socket
 import threading
 import time
@@ -25,6 +29,26 @@ import httpx
 PROMPTS = ["hello", "What is the capital of France?", "What is 1234 times 56?", "Capital of Peru?"]
 
 
+def conversations(n: int, turns: int, seed: int = 7) -> list[list[dict]]:
+    """Chat histories from the demo domain: `turns` earlier exchanges, then a new question (turns=0: just one
+    question). A longer history is where a KV cache pays: the baseline re-reads it for every token."""
+    from tools import demo_data as D
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        msgs = []
+        for _ in range(turns):
+            q, parts, _ = (D.fact_turn if rng.random() < 0.5 else D.math_turn)(rng)
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": parts}]
+        if turns:
+            q, _, _ = (D.fact_turn if rng.random() < 0.5 else D.math_turn)(rng)
+        else:
+            q = PROMPTS[i % len(PROMPTS)]
+        out.append(msgs + [{"role": "user", "content": q}])
+    return out
+
+
 def pct(values, q):
     if not values:
         return None
@@ -32,9 +56,8 @@ def pct(values, q):
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def one_stream(client, url, i, max_tokens):
-    body = {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "max_tokens": max_tokens,
-            "stream": True, "temperature": 1.0, "seed": i}
+async def one_stream(client, url, messages, seed, max_tokens):
+    body = {"messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 1.0, "seed": seed}
     t0 = time.perf_counter()
     times = []
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
@@ -48,15 +71,26 @@ async def one_stream(client, url, i, max_tokens):
     return t0, times
 
 
-async def chat_load(url, streams, max_tokens):
-    async with httpx.AsyncClient(timeout=600) as client:
+async def chat_load(url, clients, max_tokens, per_client=4, turns=0):
+    """`clients` concurrent streams, closed loop: each client sends its next request when the previous one
+    has finished, `per_client` times, so the service holds about `clients` streams throughout (arrivals
+    spread out after the first round, as with real users) instead of one burst."""
+    histories = conversations(clients * per_client, turns)
+
+    async def client_loop(c):
+        return [await one_stream(client, url, histories[c * per_client + j], c * per_client + j, max_tokens)
+                for j in range(per_client)]
+
+    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one_stream(client, url, i, max_tokens) for i in range(streams)))
+        results = [r for rs in await asyncio.gather(*(client_loop(c) for c in range(clients))) for r in rs]
         wall = time.perf_counter() - t0
     ttft = [times[0] - start for start, times in results if times]
     itl = [b - a for _, times in results for a, b in zip(times, times[1:])]
     tokens = sum(len(times) for _, times in results)
-    return {"streams": streams, "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
+    return {"streams": clients, "requests": len(results), "tokens": tokens, "seconds": wall,
+            "tokens_per_s": tokens / wall,
             "ttft_p50_ms": 1000 * pct(ttft, 0.5), "ttft_p99_ms": 1000 * pct(ttft, 0.99),
             "itl_p50_ms": 1000 * pct(itl, 0.5) if itl else None, "itl_p99_ms": 1000 * pct(itl, 0.99) if itl else None}
 
@@ -128,47 +162,73 @@ def svg_bars(path, title, groups):
         f.write("\n".join(out))
 
 
+WORKLOADS = {"question": 0, "history": 6}   # earlier exchanges before the new question
+
+
+def run_chat(url, max_tokens, per_client, streams):
+    return {name: {n: asyncio.run(chat_load(url, n, max_tokens, per_client, turns)) for n in streams}
+            for name, turns in WORKLOADS.items()}
+
+
+def row(name, workload, n, r):
+    cell = lambda v: f"{v:9.1f}" if v is not None else f"{'-':>9}"   # noqa: E731
+    return (f"{name:10}{workload:10}{n:8d}{r['tokens_per_s']:9.1f}{r['ttft_p50_ms']:10.1f}{r['ttft_p99_ms']:10.1f}"
+            f"{cell(r['itl_p50_ms'])}{cell(r['itl_p99_ms'])}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--checkpoint", default="models/demo-chat")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--direct-url", help="the Ingress replica's own HTTP server (direct ingress, no proxy hop), "
+                                        "e.g. http://127.0.0.1:30000: also measured when given")
+    p.add_argument("--per-client", type=int, default=4, help="requests each concurrent client sends in turn")
     p.add_argument("--json")
     p.add_argument("--svg")
     args = p.parse_args()
-    asyncio.run(chat_load(args.url, 2, 8))      # warm-up
-    service = {n: asyncio.run(chat_load(args.url, n, args.max_tokens)) for n in (1, 8, 32)}
+    asyncio.run(chat_load(args.url, 2, 8, 1))      # warm-up
+    service = run_chat(args.url, args.max_tokens, args.per_client, (1, 8, 32))
     decisions = asyncio.run(decision_load(args.url, 32, 4))
+    direct = None
+    if args.direct_url:
+        asyncio.run(chat_load(args.direct_url, 2, 8, 1))
+        direct = run_chat(args.direct_url, args.max_tokens, args.per_client, (1, 8, 32))
     server, thread, base_url = start_baseline(args.checkpoint)
     try:
-        asyncio.run(chat_load(base_url, 1, 8))
-        baseline = {n: asyncio.run(chat_load(base_url, n, args.max_tokens)) for n in (1, 32)}
+        asyncio.run(chat_load(base_url, 1, 8, 1))
+        baseline = run_chat(base_url, args.max_tokens, args.per_client, (1, 32))
     finally:
         server.should_exit = True
         thread.join(timeout=30)
     result = {"machine": f"{platform.machine()}, {platform.python_version()}", "max_tokens": args.max_tokens,
-              "service": service, "decisions": decisions, "baseline": baseline,
-              "speedup_32": service[32]["tokens_per_s"] / baseline[32]["tokens_per_s"],
-              "ttft_32_over_1": service[32]["ttft_p50_ms"] / service[1]["ttft_p50_ms"]}
-    print(f"{'chat':14}{'streams':>8}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}")
-    for name, runs in (("service", service), ("baseline", baseline)):
-        for n, r in runs.items():
-            itl50 = f"{r['itl_p50_ms']:9.1f}" if r["itl_p50_ms"] is not None else f"{'-':>9}"
-            itl99 = f"{r['itl_p99_ms']:9.1f}" if r["itl_p99_ms"] is not None else f"{'-':>9}"
-            print(f"{name:14}{n:8d}{r['tokens_per_s']:9.1f}{r['ttft_p50_ms']:10.1f}{r['ttft_p99_ms']:10.1f}"
-                  f"{itl50}{itl99}")
+              "per_client": args.per_client, "workloads": WORKLOADS, "service": service, "direct": direct,
+              "decisions": decisions, "baseline": baseline}
+    runs = {"service": service} | ({"direct": direct} if direct else {})
+    result["speedup_32"] = {f"{name} {w}": r[w][32]["tokens_per_s"] / baseline[w][32]["tokens_per_s"]
+                            for name, r in runs.items() for w in WORKLOADS}
+    result["ttft_32_over_1"] = {f"{name} {w}": r[w][32]["ttft_p50_ms"] / r[w][1]["ttft_p50_ms"]
+                                for name, r in runs.items() for w in WORKLOADS}
+    print(f"{'chat':10}{'workload':10}{'streams':>8}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
+          f"{'ITL p99':>9}")
+    for name, r in (runs | {"baseline": baseline}).items():
+        for w in WORKLOADS:
+            for n, one in r[w].items():
+                print(row(name, w, n, one))
     print(f"decisions: 32 clients, {decisions['questions_per_s']:.1f} questions/s, p50 {decisions['p50_ms']:.1f} ms, "
           f"p99 {decisions['p99_ms']:.1f} ms")
-    print(f"32 streams vs baseline: {result['speedup_32']:.1f}x tokens/s; TTFT p50 at 32 streams / 1 stream: "
-          f"{result['ttft_32_over_1']:.1f}x")
+    for key in result["speedup_32"]:
+        print(f"{key}: 32 streams vs baseline {result['speedup_32'][key]:.1f}x tokens/s; TTFT p50 at 32 streams / "
+              f"1 stream {result['ttft_32_over_1'][key]:.1f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     if args.svg:
-        svg_bars(args.svg, "aggregate chat tokens/s by concurrent streams",
-                 [(f"{n} stream{'s' if n > 1 else ''}", [("service", service[n]["tokens_per_s"])]
-                   + ([("seed-001 baseline", baseline[n]["tokens_per_s"])] if n in baseline else
-                      [("seed-001 baseline", 0.0)])) for n in (1, 8, 32)])
+        groups = [(f"{w}, {n} stream{'s' if n > 1 else ''}",
+                   [(name, r[w][n]["tokens_per_s"]) for name, r in runs.items()]
+                   + [("seed-001 baseline", baseline[w][n]["tokens_per_s"])])
+                  for w in WORKLOADS for n in (1, 32)]
+        svg_bars(args.svg, "aggregate chat tokens/s (demo-chat, 2-core CPU)", groups)
 
 
 if __name__ == "__main__":

@@ -117,9 +117,10 @@ class ChatModel:
             while True:
                 now = time.monotonic()
                 out = []
+                tokens = 0
                 for ev in batch:
                     if ev.token is not None:
-                        self.metrics.generated.inc()
+                        tokens += 1
                         if ev.index in last:
                             self.metrics.itl.observe(now - last[ev.index])
                         else:
@@ -131,6 +132,8 @@ class ChatModel:
                     out.append({"index": ev.index, "text": ev.text, "segment": ev.segment, "token": ev.token,
                                 "forced": ev.forced, "closes": ev.closes, "finish_reason": ev.finish_reason,
                                 "prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens})
+                if tokens:
+                    self.metrics.generated.inc(tokens)
                 yield out
                 batch = await stream.__anext__()
         except StopAsyncIteration:

@@ -95,6 +95,7 @@ class Ingress:
                  max_body_bytes: int = 1_000_000, max_messages: int = 256, max_message_chars: int = 32_000,
                  max_n: int = 8, max_questions: int = 64, retry_timeout_s: float = 60.0):
         self.chat, self.decision = chat, decision
+        self.chat_stream = chat.options(stream=True)   # built once: options() per request costs a handle copy
         self.api_keys = [k for k in (api_keys or []) if k]
         self.max_body_bytes, self.max_messages, self.max_message_chars = max_body_bytes, max_messages, max_message_chars
         self.max_n, self.max_questions = max_n, max_questions
@@ -201,7 +202,7 @@ class Ingress:
         streams = []
 
         async def start():
-            streams.append(self.chat.options(stream=True).generate.remote(payload))
+            streams.append(self.chat_stream.generate.remote(payload))
             return await streams[-1].__anext__()
 
         try:

@@ -1,7 +1,12 @@
 """Shared fixtures: a tokenizer trained here with rustbpe and tiny random-weight chat models. No downloads."""
 from __future__ import annotations
 
+import os
 import random
+
+# The request path production runs (README): set before anything imports Ray, whose Serve constants are read
+# once at import, so the in-process Serve of the tests and every Ray worker it starts agree.
+os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
 
 import pytest
 import torch

@@ -21,8 +21,11 @@ def test_rayservice_serves_serve_config():
     deps = {d["name"]: d for d in serve["applications"][0]["deployments"]}
     most_gpus = sum(deps[n]["autoscaling_config"]["max_replicas"] for n in ("ChatModel", "DecisionModel"))
     assert gpu["maxReplicas"] >= most_gpus, "the node group must be able to hold every model replica"
-    env = {e["name"] for e in gpu["template"]["spec"]["containers"][0]["env"]}
-    assert {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} <= env
+    for container in (gpu["template"]["spec"]["containers"][0],
+                      cluster["headGroupSpec"]["template"]["spec"]["containers"][0]):
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} <= set(env)
+        assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"   # every node: controller, proxy and replicas agree
 
 
 def test_cluster_launcher_config():
@@ -32,3 +35,5 @@ def test_cluster_launcher_config():
     assert types["gpu_worker"]["max_workers"] >= types["gpu_worker"]["min_workers"]
     assert any("-c constraints.txt" in c and "[gpu]" in c for c in cfg["worker_setup_commands"])
     assert any("serve deploy serve_config.yaml" in c for c in cfg["head_start_ray_commands"])
+    for cmd in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]:
+        assert "RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in cmd

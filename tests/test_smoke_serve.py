@@ -1,5 +1,6 @@
 """The README's serve command as a subprocess: it starts, answers, and shuts down cleanly."""
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,7 +17,18 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.serve
 
 
+def readme_serve_command() -> tuple[dict, list[str]]:
+    """The environment assignments and arguments of `serve run` in the README's first command."""
+    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if "serve run serve_config.cpu.yaml" in x
+                and x.startswith("python3 -m venv"))
+    words = shlex.split(line.split("&&")[-1])
+    env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+    return env, [w for w in words if "=" not in w]
+
+
 def test_readme_serve_command(tmp_path):
+    env, argv = readme_serve_command()
+    assert argv == [".venv/bin/serve", "run", "serve_config.cpu.yaml"], argv
     cfg = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())
     port = free_port()
     cfg["http_options"]["port"] = port
@@ -26,7 +38,7 @@ def test_readme_serve_command(tmp_path):
     log = open(tmp_path / "serve.log", "wb")
     # its own session: the process group id is the pid, so everything it starts is stopped by that id
     proc = subprocess.Popen([str(serve_bin), "run", str(config)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            env={**os.environ, **env}, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180

@@ -182,6 +182,18 @@ DECISION_TASKS = {"choice_category": choice_category, "choice_largest": choice_l
                   "score": score_count}
 
 
+def choice_category_name(rng):
+    """Training only: the category itself among category names. It teaches the circuit every category question
+    needs (carry the word of the question to the answer, find the option that matches it, read that option's
+    letter) without also having to know which word belongs where; on category questions alone that pair of
+    skills stalled at chance."""
+    cats = rng.sample(list(CATEGORIES), rng.randint(2, len(CATEGORIES)))
+    cat = rng.choice(cats)
+    ids = [f"c{i}" for i in range(len(cats))]
+    return (_state(rng, []), {"type": "choice", "question": f"Which option is a {cat}?", "criteria": dict(zip(ids, cats))},
+            ids[cats.index(cat)])
+
+
 def knowledge_sentences(rng, n: int) -> list[str]:
     """Plain statements of category membership ("A pear is a fruit."). Training states carry a few at random,
     so that the next-token loss teaches which word belongs to which category; held-out questions have none."""
@@ -192,9 +204,14 @@ def knowledge_sentences(rng, n: int) -> list[str]:
     return out
 
 
-def decision_example(rng, knowledge: bool = False):
-    name = rng.choice(list(DECISION_TASKS))
-    state, question, truth = DECISION_TASKS[name](rng)
+def decision_example(rng, knowledge: bool = False, aux: float = 0.0):
+    """(task name, state, question, truth). Training asks for `knowledge` sentences in half of the states and a
+    share `aux` of choice_category_name questions; held-out evaluation uses neither."""
+    if aux and rng.random() < aux:
+        name, (state, question, truth) = "choice_category_name", choice_category_name(rng)
+    else:
+        name = rng.choice(list(DECISION_TASKS))
+        state, question, truth = DECISION_TASKS[name](rng)
     if knowledge and rng.random() < 0.5:
         state = " ".join(knowledge_sentences(rng, rng.randint(1, 4)) + ([state] if state else []))
     return name, state, question, truth

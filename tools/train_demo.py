@@ -104,15 +104,17 @@ def train_decision(out: str, steps: int, seed: int = 0, batch: int = 32) -> None
     rng = random.Random(seed)
     tok = train_decision_tokenizer(D.decision_corpus_text(seed=seed), 1024)
     letters = J.letter_token_ids(tok)
-    # two Gated DeltaNet and two full-attention layers: retrieving an option's letter takes a few attention hops
-    cfg = hybrid_text_config(len(tok), hidden=128, layers=4, heads=4, full_every=2, pad_token_id=tok.pad_token_id)
+    # three Gated DeltaNet and three full-attention layers: a category question takes three hops (the question's
+    # word to the answer position, the matching option, its letter); with two attention layers it never learned
+    cfg = hybrid_text_config(len(tok), hidden=128, layers=6, heads=4, full_every=2, pad_token_id=tok.pad_token_id)
     model = new_hybrid_model(cfg, seed=seed).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    peak = 1e-3
+    opt = torch.optim.AdamW(model.parameters(), lr=peak, betas=(0.9, 0.95), weight_decay=0.0)
     t0 = time.time()
     for step in range(steps):
         prompts, targets = [], []
         for _ in range(batch):
-            _, state, q, truth = D.decision_example(rng, knowledge=True)
+            _, state, q, truth = D.decision_example(rng, knowledge=True, aux=0.15)
             row = J.from_systemone(state, q)
             order = [o.id for o in row.options]
             rng.shuffle(order)
@@ -131,7 +133,7 @@ def train_decision(out: str, steps: int, seed: int = 0, batch: int = 32) -> None
         lm = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
         lm = (lm * attn[:, 1:].reshape(-1)).sum() / attn[:, 1:].sum()
         loss = answer + 0.5 * lm
-        optimizer_step(opt, model, loss, step, steps, 3e-3)
+        optimizer_step(opt, model, loss, step, steps, peak)
         if step % 100 == 0 or step == steps - 1:
             logger.info("decision step %d/%d answer loss %.4f lm loss %.4f (%.0fs)", step, steps, answer.item(),
                         lm.item(), time.time() - t0)

@@ -136,6 +136,31 @@ def test_tournament_over_60_options(scorer):
     assert usage["input_tokens"] > 0
 
 
+def test_narrow_tournament_keeps_every_prompt_within_max_options(ckpt, tmp_path):
+    import shutil
+    narrow = tmp_path / "narrow"
+    shutil.copytree(ckpt, narrow)
+    cfg = json.load(open(narrow / "decision_config.json"))
+    cfg["wide_choice"] = {"group": 6, "keep": 2, "residual": 1e-3, "max_options": 6}
+    json.dump(cfg, open(narrow / "decision_config.json", "w"))
+    s = StartLuxDecision(str(narrow), device="cpu")
+    shown = []
+    render = s._render
+    s._render = lambda key, row: shown.append(len(row.options)) or render(key, row)
+    criteria = {f"k{i}": f"option number {i}" for i in range(40)}
+    answers, _ = s.decide("the cat", {"w": {"question": "which one", "criteria": criteria},
+                                      "few": {"question": "which one", "criteria": {f"f{i}": str(i) for i in range(5)}}})
+    p = answers["w"]["probabilities"]
+    assert list(p) == list(criteria) and sum(p.values()) == pytest.approx(1.0, abs=1e-6)
+    # 40 -> 7 groups of 5-6, top 2 each -> 14 finalists -> 3 groups -> 6 finalists -> one final prompt of 6
+    assert max(shown) <= 6 and sorted(shown) == sorted([6] * 5 + [5] * 2 + [5, 5, 4] + [6] + [5])
+    assert answers["w"]["choice"] == max(p, key=p.get)
+    cfg["wide_choice"]["max_options"] = 4    # narrower than a group: refused at load
+    json.dump(cfg, open(narrow / "decision_config.json", "w"))
+    with pytest.raises(ValueError, match="max_options"):
+        StartLuxDecision(str(narrow), device="cpu")
+
+
 def test_validation_names_every_bad_question(scorer):
     calls = []
     original = scorer._letter_logits

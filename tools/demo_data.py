@@ -195,25 +195,30 @@ def choice_category_name(rng):
 
 
 def knowledge_sentences(rng, n: int) -> list[str]:
-    """Plain statements of category membership ("A pear is a fruit."). Training states carry a few at random,
-    so that the next-token loss teaches which word belongs to which category; held-out questions have none."""
-    out = []
+    """Word-category pairs for the next-token loss ("Kinds: pear fruit, bus vehicle."). Training states carry
+    them at random; held-out questions have none. The category comes right after its word on purpose: the
+    model then has to know the category at the word's own position, which is where a question's options
+    are read from (after "A pear is a" the short convolution would see "pear" without the word's position
+    learning anything)."""
+    pairs = []
     for _ in range(n):
         cat = rng.choice(list(CATEGORIES))
-        out.append(f"A {rng.choice(CATEGORIES[cat])} is a {cat}.")
-    return out
+        pairs.append(f"{rng.choice(CATEGORIES[cat])} {cat}")
+    return [f"Kinds: {', '.join(pairs)}."]
 
 
-def decision_example(rng, knowledge: bool = False, aux: float = 0.0):
-    """(task name, state, question, truth). Training asks for `knowledge` sentences in half of the states and a
-    share `aux` of choice_category_name questions; held-out evaluation uses neither."""
+def decision_example(rng, knowledge: bool = False, aux: float = 0.0, weights: dict[str, float] | None = None):
+    """(task name, state, question, truth). Training asks for `knowledge` sentences in half of the states, a
+    share `aux` of choice_category_name questions and tasks drawn by `weights` (default: uniform); held-out
+    evaluation uses none of these."""
     if aux and rng.random() < aux:
         name, (state, question, truth) = "choice_category_name", choice_category_name(rng)
     else:
-        name = rng.choice(list(DECISION_TASKS))
+        names = list(DECISION_TASKS)
+        name = rng.choices(names, [weights[n] for n in names])[0] if weights else rng.choice(names)
         state, question, truth = DECISION_TASKS[name](rng)
     if knowledge and rng.random() < 0.5:
-        state = " ".join(knowledge_sentences(rng, rng.randint(1, 4)) + ([state] if state else []))
+        state = " ".join(knowledge_sentences(rng, rng.randint(1, 6)) + ([state] if state else []))
     return name, state, question, truth
 
 

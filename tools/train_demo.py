@@ -95,29 +95,31 @@ def train_chat(out: str, steps: int, seed: int = 0, batch: int = 32) -> None:
     save_chat_model(out, model.eval(), tok, defaults, dtype=torch.bfloat16)
 
 
-def train_decision(out: str, steps: int, seed: int = 0, batch: int = 32) -> None:
-    from core.decision import jevfmt as J
-    from core.decision.checkpoint import (hybrid_text_config, new_hybrid_model, save_decision_checkpoint,
-                                          train_decision_tokenizer)
+# Decision training runs in phases of (steps, peak learning rate, task weights, score levels in serving order).
+# The first phase learns all four kinds together; counting ("how many are a fruit") comes last and gets a phase
+# of its own, where half of the questions are score questions shown as the scorer shows them, and the rest
+# keep the other kinds from being forgotten.
+DECISION_PHASES = [(4000, 1e-3, None, False),
+                   (1000, 5e-4, {"choice_category": 1, "choice_largest": 0.5, "noul": 0.5, "score": 2}, True)]
 
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    tok = train_decision_tokenizer(D.decision_corpus_text(seed=seed), 1024)
+
+def decision_phase(model, tok, rng, steps: int, peak: float, weights: dict | None, batch: int = 32,
+                   serve_order: bool = False) -> None:
+    """One phase. Options are shown in a random order, so the model reads them rather than their position;
+    with `serve_order`, score levels keep the order the scorer always shows them in (0, 1, 2, ...)."""
+    from core.decision import jevfmt as J
+
     letters = J.letter_token_ids(tok)
-    # three Gated DeltaNet and three full-attention layers: a category question takes three hops (the question's
-    # word to the answer position, the matching option, its letter); with two attention layers it never learned
-    cfg = hybrid_text_config(len(tok), hidden=128, layers=6, heads=4, full_every=2, pad_token_id=tok.pad_token_id)
-    model = new_hybrid_model(cfg, seed=seed).train()
-    peak = 1e-3
     opt = torch.optim.AdamW(model.parameters(), lr=peak, betas=(0.9, 0.95), weight_decay=0.0)
     t0 = time.time()
     for step in range(steps):
         prompts, targets = [], []
         for _ in range(batch):
-            _, state, q, truth = D.decision_example(rng, knowledge=True, aux=0.15)
+            _, state, q, truth = D.decision_example(rng, knowledge=True, aux=0.15, weights=weights)
             row = J.from_systemone(state, q)
             order = [o.id for o in row.options]
-            rng.shuffle(order)
+            if not (serve_order and q.get("type") == "score"):
+                rng.shuffle(order)
             ids, _ = J.render_ids(row, tok, order, 4096)
             prompts.append(ids)
             targets.append(letters[order.index(truth)])
@@ -137,8 +139,25 @@ def train_decision(out: str, steps: int, seed: int = 0, batch: int = 32) -> None
         if step % 100 == 0 or step == steps - 1:
             logger.info("decision step %d/%d answer loss %.4f lm loss %.4f (%.0fs)", step, steps, answer.item(),
                         lm.item(), time.time() - t0)
+
+
+def train_decision(out: str, phases=DECISION_PHASES, seed: int = 0) -> None:
+    from core.decision.checkpoint import (hybrid_text_config, new_hybrid_model, save_decision_checkpoint,
+                                          train_decision_tokenizer)
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tok = train_decision_tokenizer(D.decision_corpus_text(seed=seed), 1024)
+    # three Gated DeltaNet and three full-attention layers: a category question takes three hops (the question's
+    # word to the answer position, the matching option, its letter); with two attention layers it never learned
+    cfg = hybrid_text_config(len(tok), hidden=128, layers=6, heads=4, full_every=2, pad_token_id=tok.pad_token_id)
+    model = new_hybrid_model(cfg, seed=seed).train()
+    for steps, peak, weights, serve_order in phases:
+        decision_phase(model, tok, rng, steps, peak, weights, serve_order=serve_order)
+    # it saw at most six options per question (D.choice_category), so wider questions go through rounds of six
     save_decision_checkpoint(out, model.eval().to(torch.bfloat16), tok,
-                             temperature_by_type={"choice": 1.0, "noul": 1.0, "score": 1.0})
+                             temperature_by_type={"choice": 1.0, "noul": 1.0, "score": 1.0},
+                             wide_choice={"group": 6, "keep": 2, "residual": 1e-3, "max_options": 6})
 
 
 def main() -> None:
@@ -153,10 +172,14 @@ def main() -> None:
     if args.which == "chat":
         train_chat(args.out or "models/demo-chat", args.steps or DEFAULT_STEPS["chat"], args.seed)
     else:
-        train_decision(args.out or "models/demo-decision", args.steps or DEFAULT_STEPS["decision"], args.seed)
+        phases = DECISION_PHASES
+        if args.steps:   # scale every phase to the given total
+            total = sum(phase[0] for phase in phases)
+            phases = [(max(1, phase[0] * args.steps // total), *phase[1:]) for phase in phases]
+        train_decision(args.out or "models/demo-decision", phases, args.seed)
 
 
-DEFAULT_STEPS = {"chat": 4000, "decision": 4000}   # about 25 minutes each on a 2-core CPU
+DEFAULT_STEPS = {"chat": 4000}   # about 25 minutes on a 2-core CPU; decision: DECISION_PHASES, about 40
 
 if __name__ == "__main__":
     main()

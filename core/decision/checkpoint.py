@@ -4,7 +4,8 @@ A checkpoint is a transformers directory (config.json with `architectures`, mode
 files) plus `decision_config.json`:
 
     {"letter_token_ids": [26 ids of " A".." Z"], "temperature_by_type": {"choice": 1.0, ...},
-     "wide_choice": {"group": 25, "keep": 3, "residual": 0.001}, "template": {...optional jevfmt keys...}}
+     "wide_choice": {"group": 25, "keep": 3, "residual": 0.001, "max_options": 26},
+     "template": {...optional jevfmt keys...}}
 """
 from __future__ import annotations
 

@@ -125,8 +125,10 @@ class StartLuxDecision:
         self.temperature = {k: float(v) for k, v in cfg.get("temperature_by_type", {}).items()}
         wide = cfg.get("wide_choice", {})
         self.group, self.keep, self.residual = wide.get("group", 25), wide.get("keep", 3), wide.get("residual", 1e-3)
-        if not 2 <= self.group <= J.MAX_OPTIONS or not 1 <= self.keep < self.group:
-            raise ValueError(f"{cfg_path}: wide_choice needs 2 <= group <= 26 and 1 <= keep < group")
+        # the most options one prompt shows; a question (or a round's finalists) with more goes through rounds
+        self.max_options = wide.get("max_options", J.MAX_OPTIONS)
+        if not 2 <= self.group <= self.max_options <= J.MAX_OPTIONS or not 1 <= self.keep < self.group:
+            raise ValueError(f"{cfg_path}: wide_choice needs 2 <= group <= max_options <= 26 and 1 <= keep < group")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         config = AutoConfig.from_pretrained(path)
@@ -256,7 +258,7 @@ class StartLuxDecision:
                 if row.type == "choice" and len(row.options) == 1:
                     only = row.options[0].id
                     answers[key] = {"type": "choice", "choice": only, "confidence": 1.0, "probabilities": {only: 1.0}}
-                elif row.type == "choice" and len(row.options) > J.MAX_OPTIONS:
+                elif row.type == "choice" and len(row.options) > self.max_options:
                     # rendering every first-round prompt now checks that each fits; _wide reuses them
                     wide[key] = [self._render(key, self._sub_row(state_text, q, g))
                                  for g in self._groups([o.id for o in row.options])]
@@ -270,7 +272,8 @@ class StartLuxDecision:
 
     def _wide(self, state_text: str, spec: dict, key: str,
               first_prompts: list[_Prompt] | None = None) -> tuple[dict[str, float], int]:
-        """More than 26 options: near-equal groups, the top `keep` of each go to a final round (recursively);
+        """More than `max_options` (26) options: near-equal groups of at most `group`, the top `keep` of each go to
+        a final round (itself a tournament while the finalists are more than `max_options`);
         the others share `residual` of the mass in proportion to their first-round probabilities."""
         keys = list(spec["criteria"])
         groups = self._groups(keys)
@@ -282,7 +285,7 @@ class StartLuxDecision:
         finalists = [k for g, ps in zip(groups, first)
                      for k, _ in sorted(zip(g, ps), key=lambda x: -x[1])[:self.keep]]
         fin_spec = dict(spec, criteria={k: spec["criteria"][k] for k in finalists})
-        if len(finalists) > J.MAX_OPTIONS:
+        if len(finalists) > self.max_options:
             final_p, more = self._wide(state_text, fin_spec, key)
         else:
             final = self._render(key, self._sub_row(state_text, fin_spec, finalists))

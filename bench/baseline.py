@@ -23,7 +23,7 @@ def make_app(checkpoint: str) -> Starlette:
     lock = threading.Lock()
     stop = {tok.encode_special("<|assistant_end|>"), tok.bos_id}
 
-    def generate(messages, max_tokens, top_k, out: asyncio.Queue, loop):
+    def generate(messages, max_tokens, top_k, ignore_eos, out: asyncio.Queue, loop):
         with lock, torch.inference_mode():
             x = torch.tensor([prompter.render(messages, max_tokens).ids])
             decoder, n = tok.stream_decoder(), 0
@@ -32,18 +32,19 @@ def make_app(checkpoint: str) -> Starlette:
                 vals, idx = torch.topk(logits, top_k, dim=-1)
                 nxt = idx.gather(1, torch.multinomial(torch.softmax(vals, -1), 1))
                 t = nxt.item()
-                if t in stop:
+                if t in stop and not ignore_eos:
                     break
                 n += 1
                 x = torch.cat([x, nxt], dim=1)
-                loop.call_soon_threadsafe(out.put_nowait, decoder.feed(t))
+                loop.call_soon_threadsafe(out.put_nowait, "" if t in stop else decoder.feed(t))
             loop.call_soon_threadsafe(out.put_nowait, None)
 
     async def completions(request):
         body = await request.json()
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        threading.Thread(target=generate, args=(body["messages"], body.get("max_tokens", 128), 50, queue, loop),
+        threading.Thread(target=generate, args=(body["messages"], body.get("max_tokens", 128), 50, body.get("ignore_eos", False), queue,
+                                                  loop),
                          daemon=True).start()
 
         async def events():

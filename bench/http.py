@@ -6,12 +6,15 @@
 
 Chat with 1, 8 and 32 concurrent streams (time to first token and inter-token latency p50/p99, aggregate
 tokens/s), through Serve's proxy (--url) and, with --direct-url, straight to the Ingress replica's own
-HTTP server (what a load balancer such as Ray's HAProxy ingress reaches in production), on two
-workloads: `question` (a single question) and `history` (six earlier exchanges, then a question). Each stream is a client that sends its next request when the previous one ends (`--per-client`
-requests), so concurrency holds steady instead of arriving as one burst. Then decisions with 32
-concurrent clients (questions/s, p50/p99), and the same chat runs against the baseline (one generation at a
-time under a lock, no KV cache; bench/baseline.py) started here on another port. Streams count chunks
-that carry output (text, or a calculator call or result) on both sides, so the comparison is like for like.
+HTTP server (what a load balancer such as Ray's HAProxy ingress reaches in production), on three
+workloads: `question` (a single question), `history` (six earlier exchanges, then a question) and
+`long` (a single question with `ignore_eos`, so every answer runs to --max-tokens tokens, as vLLM's
+benchmarks do; tokens past the end of the turn show no text and are counted on neither side). Each
+stream is a client that sends its next request when the previous one ends (`--per-client` requests),
+so concurrency holds steady instead of arriving as one burst. Then decisions with 32 concurrent clients
+(questions/s, p50/p99), and the same chat runs against the baseline (one generation at a time under a
+lock, no KV cache; bench/baseline.py) started here on another port. Streams count chunks that carry
+output (text, or a calculator call or result) on both sides, so the comparison is like for like.
 """
 from __future__ import annotations
 
@@ -56,8 +59,9 @@ def pct(values, q):
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def one_stream(client, url, messages, seed, max_tokens):
-    body = {"messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 1.0, "seed": seed}
+async def one_stream(client, url, messages, seed, max_tokens, ignore_eos=False):
+    body = {"messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 1.0, "seed": seed,
+            "ignore_eos": ignore_eos}
     t0 = time.perf_counter()
     times = []
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
@@ -71,15 +75,15 @@ async def one_stream(client, url, messages, seed, max_tokens):
     return t0, times
 
 
-async def chat_load(url, clients, max_tokens, per_client=4, turns=0):
+async def chat_load(url, clients, max_tokens, per_client=4, turns=0, ignore_eos=False):
     """`clients` concurrent streams, closed loop: each client sends its next request when the previous one
     has finished, `per_client` times, so the service holds about `clients` streams throughout (arrivals
     spread out after the first round, as with real users) instead of one burst."""
     histories = conversations(clients * per_client, turns)
 
     async def client_loop(c):
-        return [await one_stream(client, url, histories[c * per_client + j], c * per_client + j, max_tokens)
-                for j in range(per_client)]
+        return [await one_stream(client, url, histories[c * per_client + j], c * per_client + j, max_tokens,
+                                 ignore_eos) for j in range(per_client)]
 
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -135,7 +139,7 @@ def start_baseline(checkpoint):
 
 def svg_bars(path, title, groups):
     """A small bar chart without plotting dependencies: groups = [(label, [(series, value)])]."""
-    width, height, left, top = 640, 300, 60, 40
+    width, height, left, top = 760, 300, 60, 40
     vmax = max(v for _, series in groups for _, v in series) or 1
     n = len(groups)
     slot = (width - left - 20) / n
@@ -162,12 +166,13 @@ def svg_bars(path, title, groups):
         f.write("\n".join(out))
 
 
-WORKLOADS = {"question": 0, "history": 6}   # earlier exchanges before the new question
+# name: (earlier exchanges before the new question, ignore_eos: always generate --max-tokens tokens)
+WORKLOADS = {"question": (0, False), "history": (6, False), "long": (0, True)}
 
 
 def run_chat(url, max_tokens, per_client, streams):
-    return {name: {n: asyncio.run(chat_load(url, n, max_tokens, per_client, turns)) for n in streams}
-            for name, turns in WORKLOADS.items()}
+    return {name: {n: asyncio.run(chat_load(url, n, max_tokens, per_client, turns, ignore_eos)) for n in streams}
+            for name, (turns, ignore_eos) in WORKLOADS.items()}
 
 
 def row(name, workload, n, r):
@@ -224,11 +229,11 @@ def main():
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     if args.svg:
-        groups = [(f"{w}, {n} stream{'s' if n > 1 else ''}",
+        groups = [(f"{w} x{n}",
                    [(name, r[w][n]["tokens_per_s"]) for name, r in runs.items()]
                    + [("seed-001 baseline", baseline[w][n]["tokens_per_s"])])
                   for w in WORKLOADS for n in (1, 32)]
-        svg_bars(args.svg, "aggregate chat tokens/s (demo-chat, 2-core CPU)", groups)
+        svg_bars(args.svg, "aggregate chat tokens/s by workload x concurrent streams (demo-chat, 2-core CPU)", groups)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def sampling_params(p: dict, defaults) -> SamplingParams:
         temperature=defaults.temperature if p.get("temperature") is None else p["temperature"],
         top_k=defaults.top_k if p.get("top_k") is None else p["top_k"],
         top_p=defaults.top_p if p.get("top_p") is None else p["top_p"],
-        seed=p.get("seed"), n=p.get("n") or 1, stop=list(p.get("stop") or []))
+        seed=p.get("seed"), n=p.get("n") or 1, stop=list(p.get("stop") or []), ignore_eos=bool(p.get("ignore_eos")))
 
 
 @serve.deployment(name="ChatModel")

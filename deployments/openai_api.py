@@ -50,6 +50,7 @@ class ChatCompletionRequest(BaseModel):
     n: int = Field(default=1, ge=1)
     seed: int | None = None
     stop: str | list[str] | None = None
+    ignore_eos: bool = False     # vLLM's extension: always generate max_tokens (fixed-length benchmarks)
 
     @field_validator("stop")
     @classmethod
@@ -69,7 +70,8 @@ class ChatCompletionRequest(BaseModel):
 
     def params(self) -> dict:
         return {"max_tokens": self.max_completion_tokens or self.max_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "top_k": self.top_k, "n": self.n, "seed": self.seed, "stop": self.stop}
+                "top_p": self.top_p, "top_k": self.top_k, "n": self.n, "seed": self.seed, "stop": self.stop,
+                "ignore_eos": self.ignore_eos}
 
 
 class Completion:

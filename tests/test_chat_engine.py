@@ -238,3 +238,16 @@ def test_multibyte_character_streams_whole(tokenizer):
     dec2 = tokenizer.stream_decoder()
     text = "".join(dec2.feed(t) for t in tokenizer.encode("café 😀 日本語")) + dec2.flush()
     assert text == "café 😀 日本語"
+
+
+def test_ignore_eos_runs_to_max_tokens(tokenizer):
+    parts = [("text", "hello how are you"), ("special", "<|assistant_end|>")]
+    engine, script = scripted_engine(tokenizer, parts)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=12, temperature=0.0), "stops")
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), "runs")
+    events = [ev for _ in range(30) for ev in engine.step()]
+    by = {rid: [ev for ev in events if ev.request_id == rid] for rid in ("stops", "runs")}
+    assert by["stops"][-1].finish_reason == "stop" and by["stops"][-1].completion_tokens == len(script)
+    assert by["runs"][-1].finish_reason == "length" and by["runs"][-1].completion_tokens == 12
+    # the same text either way: the end-of-turn tokens it ran past count, but show nothing
+    assert "".join(ev.text for ev in by["runs"]) == "".join(ev.text for ev in by["stops"]) == "hello how are you"

@@ -55,6 +55,13 @@ def test_readme_serve_command(tmp_path):
         r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
                        json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+        # the demo model ends its greeting after a few tokens; ignore_eos (vLLM's extension) runs to max_tokens
+        hello = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 40}
+        short = httpx.post(f"{url}/v1/chat/completions", timeout=60, json=hello).json()
+        full = httpx.post(f"{url}/v1/chat/completions", timeout=60, json=hello | {"ignore_eos": True}).json()
+        assert short["usage"]["completion_tokens"] < 40 and short["choices"][0]["finish_reason"] == "stop"
+        assert full["usage"]["completion_tokens"] == 40 and full["choices"][0]["finish_reason"] == "length"
+        assert full["choices"][0]["message"]["content"].startswith(short["choices"][0]["message"]["content"])
         r = httpx.post(f"{url}/v1/systemone", timeout=60, json={
             "state": "s", "questions": {"q": {"type": "noul", "question": "is it"}}})
         assert r.status_code == 200 and 0 <= r.json()["answers"]["q"]["noul"] <= 1

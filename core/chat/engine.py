@@ -288,11 +288,13 @@ class LLMEngine:
     def _accept(self, req: _Request, s: _Sample, tok: int, forced: bool, events: list[TokenEvent]) -> None:
         s.generated.append(tok)
         s.pending = tok
-        if tok in self.stop_tokens:
-            self._finish(req, s, "stop", events)
-            return
         text, segment, closes = "", s.segment, False
-        if tok == self.python_start:
+        if tok in self.stop_tokens:
+            if not req.params.ignore_eos:
+                self._finish(req, s, "stop", events)
+                return
+            # ignore_eos (benchmarks): the end of the turn counts as a generated token but shows no text
+        elif tok == self.python_start:
             text = self._flush_text(s)
             s.segment, s.expr_tokens = "python", []
         elif tok == self.python_end and s.segment == "python":

@@ -26,6 +26,7 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1                    # samples of one prompt, sharing its prefill
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False      # generate max_tokens even past the end of the turn (vLLM's; for benchmarks)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

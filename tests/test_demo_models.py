@@ -61,14 +61,13 @@ def decision_cases(n=60):
     return cases
 
 
-# The committed decision demo meets its bars on the numeric tasks; on the tasks that need word -> category
-# knowledge it does not yet (issue 6 stays open). strict xfail: they fail the run the day they pass.
-CATEGORY_GAP = pytest.mark.xfail(strict=True, reason="demo-decision has not learned word categories yet")
+# The committed decision demo meets its bars on choice, noul and the tournament; counting ("how many are a
+# fruit", score) it does only coarsely (issue 6 stays open). strict xfail: it fails the run the day it passes.
+COUNTING_GAP = pytest.mark.xfail(strict=True, reason="demo-decision counts only coarsely (0/1 and 2/3 mixed up)")
 
 
-@pytest.mark.parametrize("name", ["choice_largest", "noul",
-                                  pytest.param("choice_category", marks=CATEGORY_GAP),
-                                  pytest.param("score", marks=CATEGORY_GAP)])
+@pytest.mark.parametrize("name", ["choice_largest", "noul", "choice_category",
+                                  pytest.param("score", marks=COUNTING_GAP)])
 def test_decision_demo_accuracy(scorer, name):
     cases = decision_cases()[name]
     answers = scorer.decide_batch([(state, {"q": q}) for state, q, _ in cases])
@@ -83,7 +82,6 @@ def test_decision_demo_accuracy(scorer, name):
         assert sum(right) / len(right) >= 0.9
 
 
-@CATEGORY_GAP
 def test_decision_demo_tournament(scorer):
     rng = random.Random(HELD_OUT_SEED + 7)
     right = 0

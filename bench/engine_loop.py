@@ -1,0 +1,64 @@
+"""The HTTP benchmark's chat workloads against the engine alone: AsyncEngine in this process, no Serve, no HTTP.
+
+    python -m bench.engine_loop [--checkpoint models/demo-chat] [--per-client 4] [--max-tokens 64]
+
+Same closed loop and workloads as bench/http.py (each of N clients sends its next request when the last one
+ends) on the demo chat checkpoint, so the two tables side by side show what the serving path adds to time to
+first token and throughput.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+from bench.http import WORKLOADS, conversations, pct
+from core.chat import ChatPrompter, LLMEngine, SamplingParams, load_chat_defaults, load_chat_model
+from core.chat.async_engine import AsyncEngine
+
+
+async def closed_loop(engine, prompter, clients, per_client, max_tokens, turns, ignore_eos):
+    histories = conversations(clients * per_client, turns)
+    ttft, tokens = [], 0
+
+    async def client(c):
+        nonlocal tokens
+        for j in range(per_client):
+            k = c * per_client + j
+            params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=k, ignore_eos=ignore_eos)
+            t0, first = time.perf_counter(), None
+            async for batch in engine.generate(prompter.render(histories[k], max_tokens).ids, params):
+                shown = sum(1 for ev in batch if ev.text)      # like bench.http: events that carry output
+                if shown and first is None:
+                    first = time.perf_counter() - t0
+                tokens += shown
+            ttft.append(first if first is not None else time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(c) for c in range(clients)))
+    wall = time.perf_counter() - t0
+    return {"tokens_per_s": tokens / wall, "ttft_p50_ms": 1000 * pct(ttft, 0.5), "ttft_p99_ms": 1000 * pct(ttft, 0.99)}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--checkpoint", default="models/demo-chat")
+    p.add_argument("--per-client", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64)
+    args = p.parse_args()
+    model, tok, cfg = load_chat_model(args.checkpoint, "cpu")
+    prompter = ChatPrompter(tok, cfg.sequence_len, load_chat_defaults(args.checkpoint).fewshot)
+    engine = AsyncEngine(LLMEngine(model, tok, max_rows=32, prefill_chunk=512, prefix_ids=prompter.prefix_ids))
+    try:
+        asyncio.run(closed_loop(engine, prompter, 2, 1, 8, 0, False))     # warm-up
+        print(f"{'workload':10}{'streams':>8}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}")
+        for name, (turns, ignore_eos) in WORKLOADS.items():
+            for n in (1, 32):
+                r = asyncio.run(closed_loop(engine, prompter, n, args.per_client, args.max_tokens, turns, ignore_eos))
+                print(f"{name:10}{n:8d}{r['tokens_per_s']:9.1f}{r['ttft_p50_ms']:10.1f}{r['ttft_p99_ms']:10.1f}")
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -43,9 +43,8 @@ def make_app(checkpoint: str) -> Starlette:
         body = await request.json()
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        threading.Thread(target=generate, args=(body["messages"], body.get("max_tokens", 128), 50, body.get("ignore_eos", False), queue,
-                                                  loop),
-                         daemon=True).start()
+        args = (body["messages"], body.get("max_tokens", 128), 50, body.get("ignore_eos", False), queue, loop)
+        threading.Thread(target=generate, args=args, daemon=True).start()
 
         async def events():
             while (text := await queue.get()) is not None:

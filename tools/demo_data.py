@@ -190,8 +190,8 @@ def choice_category_name(rng):
     cats = rng.sample(list(CATEGORIES), rng.randint(2, len(CATEGORIES)))
     cat = rng.choice(cats)
     ids = [f"c{i}" for i in range(len(cats))]
-    return (_state(rng, []), {"type": "choice", "question": f"Which option is a {cat}?", "criteria": dict(zip(ids, cats))},
-            ids[cats.index(cat)])
+    question = {"type": "choice", "question": f"Which option is a {cat}?", "criteria": dict(zip(ids, cats))}
+    return _state(rng, []), question, ids[cats.index(cat)]
 
 
 def knowledge_sentences(rng, n: int) -> list[str]:

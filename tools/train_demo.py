@@ -17,6 +17,7 @@ import logging
 import math
 import random
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -100,8 +101,15 @@ def train_chat(out: str, steps: int, seed: int = 0, batch: int = 32) -> None:
 # The first phase learns all four kinds together; counting ("how many are a fruit") comes last and gets a phase
 # of its own, where half of the questions are score questions shown as the scorer shows them, and the rest
 # keep the other kinds from being forgotten.
-DECISION_PHASES = [(4000, 1e-3, None, False),
-                   (1000, 5e-4, {"choice_category": 1, "choice_largest": 0.5, "noul": 0.5, "score": 2}, True)]
+class Phase(NamedTuple):
+    steps: int
+    peak_lr: float
+    weights: dict | None          # task weights; None: uniform
+    serve_order: bool             # score levels in the order the scorer shows them
+
+
+DECISION_PHASES = [Phase(4000, 1e-3, None, False),
+                   Phase(1000, 5e-4, {"choice_category": 1, "choice_largest": 0.5, "noul": 0.5, "score": 2}, True)]
 
 
 def decision_phase(model, tok, rng, steps: int, peak: float, weights: dict | None, batch: int = 32,
@@ -153,8 +161,8 @@ def train_decision(out: str, phases=DECISION_PHASES, seed: int = 0) -> None:
     # word to the answer position, the matching option, its letter); with two attention layers it never learned
     cfg = hybrid_text_config(len(tok), hidden=128, layers=6, heads=4, full_every=2, pad_token_id=tok.pad_token_id)
     model = new_hybrid_model(cfg, seed=seed).train()
-    for steps, peak, weights, serve_order in phases:
-        decision_phase(model, tok, rng, steps, peak, weights, serve_order=serve_order)
+    for phase in phases:
+        decision_phase(model, tok, rng, phase.steps, phase.peak_lr, phase.weights, serve_order=phase.serve_order)
     # it saw at most six options per question (D.choice_category), so wider questions go through rounds of six
     save_decision_checkpoint(out, model.eval().to(torch.bfloat16), tok,
                              temperature_by_type={"choice": 1.0, "noul": 1.0, "score": 1.0},
@@ -175,8 +183,8 @@ def main() -> None:
     else:
         phases = DECISION_PHASES
         if args.steps:   # scale every phase to the given total
-            total = sum(phase[0] for phase in phases)
-            phases = [(max(1, phase[0] * args.steps // total), *phase[1:]) for phase in phases]
+            total = sum(phase.steps for phase in phases)
+            phases = [phase._replace(steps=max(1, phase.steps * args.steps // total)) for phase in phases]
         train_decision(args.out or "models/demo-decision", phases, args.seed)
 
 

@@ -95,8 +95,8 @@ class _Prepared:
     questions: dict
     state_text: str
     answers: dict            # answered without the model (single-option choice)
-    prompts: list[_Prompt]   # questions of <= 26 options, rendered
-    wide: dict[str, list[_Prompt]]   # choice questions over 26 options -> their rendered first-round prompts
+    prompts: list[_Prompt]   # questions of at most max_options options, rendered
+    wide: dict[str, list[_Prompt]]   # choice questions over max_options -> their rendered first-round prompts
 
 
 class StartLuxDecision:

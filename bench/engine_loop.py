@@ -1,6 +1,7 @@
 """The HTTP benchmark's chat workloads against the engine alone: AsyncEngine in this process, no Serve, no HTTP.
 
     python -m bench.engine_loop [--checkpoint models/demo-chat] [--per-client 4] [--max-tokens 64]
+                                [--prefill-chunk 512] [--workloads question history long]
 
 Same closed loop and workloads as bench/http.py (each of N clients sends its next request when the last one
 ends) on the demo chat checkpoint, so the two tables side by side show what the serving path adds to time to
@@ -45,14 +46,17 @@ def main():
     p.add_argument("--checkpoint", default="models/demo-chat")
     p.add_argument("--per-client", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prefill-chunk", type=int, default=512, help="the engine's prompt tokens per step")
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     args = p.parse_args()
     model, tok, cfg = load_chat_model(args.checkpoint, "cpu")
     prompter = ChatPrompter(tok, cfg.sequence_len, load_chat_defaults(args.checkpoint).fewshot)
-    engine = AsyncEngine(LLMEngine(model, tok, max_rows=32, prefill_chunk=512, prefix_ids=prompter.prefix_ids))
+    engine = AsyncEngine(LLMEngine(model, tok, max_rows=32, prefill_chunk=args.prefill_chunk, prefix_ids=prompter.prefix_ids))
     try:
         asyncio.run(closed_loop(engine, prompter, 2, 1, 8, 0, False))     # warm-up
         print(f"{'workload':10}{'streams':>8}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}")
-        for name, (turns, ignore_eos) in WORKLOADS.items():
+        for name in args.workloads:
+            turns, ignore_eos = WORKLOADS[name]
             for n in (1, 32):
                 r = asyncio.run(closed_loop(engine, prompter, n, args.per_client, args.max_tokens, turns, ignore_eos))
                 print(f"{name:10}{n:8d}{r['tokens_per_s']:9.1f}{r['ttft_p50_ms']:10.1f}{r['ttft_p99_ms']:10.1f}")

@@ -29,6 +29,8 @@ import time
 
 import httpx
 
+from bench.sse import Connection
+
 PROMPTS = ["hello", "What is the capital of France?", "What is 1234 times 56?", "Capital of Peru?"]
 
 
@@ -59,42 +61,45 @@ def pct(values, q):
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def one_stream(client, url, messages, seed, max_tokens, ignore_eos=False):
+async def one_stream(conn, messages, seed, max_tokens, ignore_eos=False):
     body = {"messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 1.0, "seed": seed,
             "ignore_eos": ignore_eos}
     t0 = time.perf_counter()
     times = []
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                delta = chunk["choices"][0]["delta"] if chunk.get("choices") else {}
-                if delta.get("content") or delta.get("parts"):     # text, or a calculator call or result
-                    times.append(time.perf_counter())
+    async for line in conn.post_lines("/v1/chat/completions", body):
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[6:])
+            delta = chunk["choices"][0]["delta"] if chunk.get("choices") else {}
+            if delta.get("content") or delta.get("parts"):     # text, or a calculator call or result
+                times.append(time.perf_counter())
     return t0, times
 
 
 async def chat_load(url, clients, max_tokens, per_client=4, turns=0, ignore_eos=False):
     """`clients` concurrent streams, closed loop: each client sends its next request when the previous one
     has finished, `per_client` times, so the service holds about `clients` streams throughout (arrivals
-    spread out after the first round, as with real users) instead of one burst."""
+    spread out after the first round, as with real users) instead of one burst. Each client keeps one
+    connection (bench/sse.py, a lean client: the load generator shares the CPU with the service)."""
     histories = conversations(clients * per_client, turns)
 
     async def client_loop(c):
-        return [await one_stream(client, url, histories[c * per_client + j], c * per_client + j, max_tokens,
-                                 ignore_eos) for j in range(per_client)]
+        conn = Connection(url)
+        try:
+            return [await one_stream(conn, histories[c * per_client + j], c * per_client + j, max_tokens, ignore_eos)
+                    for j in range(per_client)]
+        finally:
+            conn.close()
 
-    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        t0 = time.perf_counter()
-        results = [r for rs in await asyncio.gather(*(client_loop(c) for c in range(clients))) for r in rs]
-        wall = time.perf_counter() - t0
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    results = [r for rs in await asyncio.gather(*(client_loop(c) for c in range(clients))) for r in rs]
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     ttft = [times[0] - start for start, times in results if times]
     itl = [b - a for _, times in results for a, b in zip(times, times[1:])]
     tokens = sum(len(times) for _, times in results)
+    # the CPU this process spent per request: the load generator's own cost (plus the baseline server's,
+    # which runs in this process)
     return {"streams": clients, "requests": len(results), "tokens": tokens, "seconds": wall,
-            "tokens_per_s": tokens / wall,
+            "tokens_per_s": tokens / wall, "process_cpu_ms_per_request": 1000 * cpu / len(results),
             "ttft_p50_ms": 1000 * pct(ttft, 0.5), "ttft_p99_ms": 1000 * pct(ttft, 0.99),
             "itl_p50_ms": 1000 * pct(itl, 0.5) if itl else None, "itl_p99_ms": 1000 * pct(itl, 0.99) if itl else None}
 

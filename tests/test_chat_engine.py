@@ -67,6 +67,27 @@ def test_seeded_sampling_same_alone_and_batched(nanochat_model, tokenizer, top_k
     assert [batched[f"r{i}"] for i in range(4)] == solo
 
 
+def test_first_tokens_are_emitted_before_the_decode_pass(nanochat_model, tokenizer):
+    """step(emit=...) hands a new request's first token over before the running rows' decode pass; the tokens
+    are the same as without emit."""
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    a, b = prompts(2, seed=3)
+    runs = []
+    for use_emit in (False, True):
+        engine = LLMEngine(nanochat_model, tokenizer, max_rows=2)
+        engine.add_request(a, params, "a")
+        engine.step()                    # a: prefilled, first token out; it decodes from now on
+        engine.add_request(b, params, "b")
+        emitted = []
+        returned = engine.step(emit=emitted.extend) if use_emit else engine.step()
+        if use_emit:
+            assert [(ev.request_id, ev.index) for ev in emitted] == [("b", 0)]
+            assert {ev.request_id for ev in returned} == {"a"}
+        runs.append([(ev.request_id, ev.token) for ev in emitted + returned]
+                    + [(ev.request_id, ev.token) for _ in range(40) for ev in engine.step()])
+    assert runs[0] == runs[1]
+
+
 def test_n_samples_share_prefill_and_differ(nanochat_model, tokenizer):
     p = prompts(1, seed=2)[0]
     out = run_alone(nanochat_model, tokenizer, p, SamplingParams(max_tokens=12, temperature=1.5, seed=7, n=4))

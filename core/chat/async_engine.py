@@ -1,7 +1,8 @@
 """An asyncio front for `LLMEngine`: the model steps on a worker thread, events come back per request.
 
 The event loop only enqueues requests and reads events; every forward pass runs on the engine thread,
-which sleeps when there is no work. Events are handed to the loop with `call_soon_threadsafe`. Leaving
+which sleeps when there is no work. Events are handed to the loop with one `call_soon_threadsafe` per
+step (and one more for the first tokens, which leave before the step's decode pass). Leaving
 the `generate` iterator early (client disconnect, cancellation, timeout) aborts the request, and its
 cache rows are freed at the engine's next step.
 """
@@ -17,6 +18,11 @@ from .engine import LLMEngine, TokenEvent
 from .sampler import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
+    for queue, ev in items:
+        queue.put_nowait(ev)
 
 
 class AsyncEngine:
@@ -36,20 +42,27 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                events = self.engine.step()
+                events = self.engine.step(emit=self._deliver)
             except Exception:   # a fault in the model must not kill the thread or leave callers hanging
                 logger.exception("engine step failed; ending every request")
                 events = self.engine.fail_all("error")
-            for ev in events:
-                self._deliver(ev)
+            self._deliver(events)
             if self.on_step is not None:
                 self.on_step(self.engine, events)
 
-    def _deliver(self, ev: TokenEvent) -> None:
-        target = self._queues.get(ev.request_id)
-        if target is not None:
-            loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, ev)
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        """Hand events to their requests' loops: one wake-up per loop, not one per event."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for ev in events:
+            target = self._queues.get(ev.request_id)
+            if target is not None:
+                loop, queue = target
+                by_loop.setdefault(loop, []).append((queue, ev))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:   # that loop has closed: its callers are gone
+                pass
 
     async def generate(self, prompt: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[list[TokenEvent]]:

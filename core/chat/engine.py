@@ -5,7 +5,8 @@ Design (after vLLM's v1 engine, at nanochat's scale):
 - `step()` is one scheduling round: apply aborts, admit waiting requests while rows are free (FIFO,
   so nobody starves), prefill up to `prefill_chunk` prompt tokens (several short prompts together,
   long ones a chunk per step so running streams keep flowing), then one forward pass that decodes a
-  token for every running sample. It returns the token events of that step.
+  token for every running sample. It returns the token events of that step; a caller that streams can
+  have the first tokens of the prefill handed over before the decode pass.
 - `n` samples of a prompt share one prefill: its keys and values are copied to the sibling rows and
   each sample draws its own first token (seed 000 broadcast one first token to all).
 - The few-shot prefix is prefilled once; its keys and values are copied into each new request.
@@ -185,7 +186,10 @@ class LLMEngine:
 
     # ---- one scheduling round
     @torch.inference_mode()
-    def step(self) -> list[TokenEvent]:
+    def step(self, emit=None) -> list[TokenEvent]:
+        """One scheduling round; returns its events. With `emit`, the events ready before the decode pass (the
+        first tokens of prompts that finished prefilling, aborts) go to `emit(events)` at once instead, so a new
+        request's first token does not wait for every running row's next token."""
         events: list[TokenEvent] = []
         with self._lock:
             aborts, self._aborts = self._aborts, set()
@@ -198,6 +202,9 @@ class LLMEngine:
         decoding = [(r, s) for r in self.running for s in r.samples if not s.finish_reason]
         if self.prefilling:
             self._prefill(events)
+        if emit is not None and events and decoding:
+            emit(events)
+            events = []
         if decoding:
             self._decode(decoding, events)
         self._retire()

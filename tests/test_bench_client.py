@@ -1,0 +1,74 @@
+"""bench/sse.py, the load generator's lean HTTP client, against a real uvicorn server."""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from bench.sse import Connection, HTTPStatusError
+
+
+async def stream(request):
+    body = await request.json()
+
+    async def events():
+        for i in range(body["n"]):
+            yield f"data: {json.dumps({'i': i, 'pad': 'x' * body.get('pad', 0)})}\n\n"
+            await asyncio.sleep(0)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def plain(request):
+    body = await request.json()
+    if body.get("bad"):
+        return JSONResponse({"error": {"message": "bad input"}}, status_code=400)
+    return JSONResponse({"echo": body})
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = Starlette(routes=[Route("/stream", stream, methods=["POST"]), Route("/plain", plain, methods=["POST"])])
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def test_lines_status_and_keep_alive(server_url):
+    async def run():
+        conn = Connection(server_url)
+        try:
+            first = [line async for line in conn.post_lines("/stream", {"n": 5, "pad": 70000})]   # chunks > 64 KiB
+            writer = conn.writer
+            second = [line async for line in conn.post_lines("/stream", {"n": 3})]
+            with pytest.raises(HTTPStatusError) as err:
+                [line async for line in conn.post_lines("/plain", {"bad": True})]
+            echo = [line async for line in conn.post_lines("/plain", {"x": 1})]
+            return first, second, err.value.status, echo, writer is conn.writer
+        finally:
+            conn.close()
+
+    first, second, status, echo, same_connection = asyncio.run(run())
+    data = [json.loads(line[6:]) for line in first if line.startswith("data: {")]
+    assert [d["i"] for d in data] == list(range(5)) and all(len(d["pad"]) == 70000 for d in data)
+    assert first[-2:] == ["data: [DONE]", ""]
+    assert [json.loads(line[6:])["i"] for line in second if line.startswith("data: {")] == [0, 1, 2]
+    assert status == 400
+    assert json.loads(echo[0]) == {"echo": {"x": 1}}
+    assert same_connection

@@ -14,7 +14,9 @@ stream is a client that sends its next request when the previous one ends (`--pe
 so concurrency holds steady instead of arriving as one burst. Then decisions with 32 concurrent clients
 (questions/s, p50/p99), and the same chat runs against the baseline (one generation at a time under a
 lock, no KV cache; bench/baseline.py) started here on another port. Streams count chunks that carry
-output (text, or a calculator call or result) on both sides, so the comparison is like for like.
+output (text, or a calculator call or result) on both sides, so the comparison is like for like. Chat
+streams go through bench/sse.py, a lean client (the load generator shares the CPU with the service);
+the JSON output has this process's CPU per request for each run.
 """
 from __future__ import annotations
 

@@ -61,13 +61,7 @@ def decision_cases(n=60):
     return cases
 
 
-# The committed decision demo meets its bars on choice, noul and the tournament; counting ("how many are a
-# fruit", score) it does only coarsely (issue 6 stays open). strict xfail: it fails the run the day it passes.
-COUNTING_GAP = pytest.mark.xfail(strict=True, reason="demo-decision counts only coarsely (0/1 and 2/3 mixed up)")
-
-
-@pytest.mark.parametrize("name", ["choice_largest", "noul", "choice_category",
-                                  pytest.param("score", marks=COUNTING_GAP)])
+@pytest.mark.parametrize("name", ["choice_largest", "noul", "choice_category", "score"])
 def test_decision_demo_accuracy(scorer, name):
     cases = decision_cases()[name]
     answers = scorer.decide_batch([(state, {"q": q}) for state, q, _ in cases])

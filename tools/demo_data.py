@@ -167,17 +167,19 @@ def noul_compare(rng):
 
 
 def score_count(rng):
+    """How many of the listed items are a category, on a 0-3 scale. The items come in the question, after the
+    category: a causal model can then judge each item where it stands, and the answer has only to count the
+    hits (with the list in the state, before the category is named, counting stayed near chance)."""
     cat = rng.choice(list(CATEGORIES))
     k = rng.randint(0, 3)
     others = [w for c in CATEGORIES if c != cat for w in CATEGORIES[c]]
     items = rng.sample(CATEGORIES[cat], k) + rng.sample(others, rng.randint(1, 4))
     rng.shuffle(items)
-    state = _state(rng, [f"The basket holds: {', '.join(items)}."])
-    levels = ["none", "one", "two", "three"]
-    return state, {"type": "score", "question": f"How many items in the basket are a {cat}?",
-                   "criteria": levels}, str(k)
+    return _state(rng, []), {"type": "score", "question": f"How many of these are a {cat}: {', '.join(items)}?",
+                             "criteria": SCORE_LEVELS}, str(k)
 
 
+SCORE_LEVELS = ["none", "one", "two", "three"]
 DECISION_TASKS = {"choice_category": choice_category, "choice_largest": choice_largest, "noul": noul_compare,
                   "score": score_count}
 
@@ -207,13 +209,34 @@ def knowledge_sentences(rng, n: int) -> list[str]:
     return [f"Kinds: {', '.join(pairs)}."]
 
 
-def decision_example(rng, knowledge: bool = False, aux: float = 0.0, weights: dict[str, float] | None = None):
-    """(task name, state, question, truth). Training asks for `knowledge` sentences in half of the states, a
-    share `aux` of choice_category_name questions and tasks drawn by `weights` (default: uniform); held-out
+def score_category_name(rng):
+    """Training only: count a category's name among category names ("How many of these are a tool: tool,
+    fruit, tool?"): the counting circuit without the knowledge of which word belongs where, as
+    choice_category_name is for category questions."""
+    cat = rng.choice(list(CATEGORIES))
+    k = rng.randint(0, 3)
+    items = [cat] * k + rng.choices([c for c in CATEGORIES if c != cat], k=rng.randint(1, 4))
+    rng.shuffle(items)
+    return _state(rng, []), {"type": "score", "question": f"How many of these are a {cat}: {', '.join(items)}?",
+                             "criteria": SCORE_LEVELS}, str(k)
+
+
+AUX_TASKS = {"choice_category_name": choice_category_name, "score_category_name": score_category_name}
+
+
+def decision_example(rng, knowledge: bool = False, aux: dict[str, float] | None = None,
+                     weights: dict[str, float] | None = None):
+    """(task name, state, question, truth). Training asks for `knowledge` sentences in half of the states,
+    shares `aux` of the training-only AUX_TASKS and tasks drawn by `weights` (default: uniform); held-out
     evaluation uses none of these."""
-    if aux and rng.random() < aux:
-        name, (state, question, truth) = "choice_category_name", choice_category_name(rng)
-    else:
+    name, draw = None, rng.random() if aux else 1.0
+    for aux_name, share in (aux or {}).items():
+        if draw < share:
+            name = aux_name
+            state, question, truth = AUX_TASKS[name](rng)
+            break
+        draw -= share
+    if name is None:
         names = list(DECISION_TASKS)
         name = rng.choices(names, [weights[n] for n in names])[0] if weights else rng.choice(names)
         state, question, truth = DECISION_TASKS[name](rng)

@@ -197,7 +197,7 @@ def main() -> None:
         train_decision(args.out or "models/demo-decision", phases, args.seed)
 
 
-DEFAULT_STEPS = {"chat": 4000}   # about 25 minutes on a 2-core CPU; decision: DECISION_PHASES, about 40
+DEFAULT_STEPS = {"chat": 4000}   # about 25 minutes on a 2-core CPU; decision: DECISION_PHASES, about 34
 
 if __name__ == "__main__":
     main()

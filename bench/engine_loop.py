@@ -51,7 +51,8 @@ def main():
     args = p.parse_args()
     model, tok, cfg = load_chat_model(args.checkpoint, "cpu")
     prompter = ChatPrompter(tok, cfg.sequence_len, load_chat_defaults(args.checkpoint).fewshot)
-    engine = AsyncEngine(LLMEngine(model, tok, max_rows=32, prefill_chunk=args.prefill_chunk, prefix_ids=prompter.prefix_ids))
+    engine = AsyncEngine(LLMEngine(model, tok, max_rows=32, prefill_chunk=args.prefill_chunk,
+                                   prefix_ids=prompter.prefix_ids))
     try:
         asyncio.run(closed_loop(engine, prompter, 2, 1, 8, 0, False))     # warm-up
         print(f"{'workload':10}{'streams':>8}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}")

@@ -126,11 +126,11 @@ FILLER = ["The weather is mild today.", "A meeting is planned for Monday.", "The
           "The printer is out of paper.", "A new sign was put on the door."]
 
 
-def _state(rng, lines: list[str]) -> str:
+def _state(rng) -> str:
+    """0-6 filler sentences: states of varying length that do not bear on the question."""
     filler = [rng.choice(FILLER) for _ in range(rng.randint(0, 6))]
-    allines = lines + filler
-    rng.shuffle(allines)
-    return " ".join(allines)
+    rng.shuffle(filler)   # adds nothing to the draw, but the data sets (and the committed weights) follow this rng
+    return " ".join(filler)
 
 
 def choice_category(rng):
@@ -144,7 +144,7 @@ def choice_category(rng):
     ids = [f"o{i}" for i in range(len(items))]
     crit = dict(zip(ids, items))
     truth = ids[items.index(answer)]
-    state = _state(rng, [])
+    state = _state(rng)
     return state, {"type": "choice", "question": f"Which option is a {cat}?", "criteria": crit}, truth
 
 
@@ -154,7 +154,7 @@ def choice_largest(rng):
     ids = [f"n{i}" for i in range(n)]
     crit = {i: str(v) for i, v in zip(ids, nums)}
     truth = ids[nums.index(max(nums))]
-    return _state(rng, []), {"type": "choice", "question": "Which number is the largest?", "criteria": crit}, truth
+    return _state(rng), {"type": "choice", "question": "Which number is the largest?", "criteria": crit}, truth
 
 
 def noul_compare(rng):
@@ -163,7 +163,7 @@ def noul_compare(rng):
         q, truth = f"Is {a} greater than {b}?", a > b
     else:
         q, truth = f"Is {a} less than {b}?", a < b
-    return _state(rng, []), {"type": "noul", "question": q}, "true" if truth else "false"
+    return _state(rng), {"type": "noul", "question": q}, "true" if truth else "false"
 
 
 def score_count(rng):
@@ -175,11 +175,12 @@ def score_count(rng):
     others = [w for c in CATEGORIES if c != cat for w in CATEGORIES[c]]
     items = rng.sample(CATEGORIES[cat], k) + rng.sample(others, rng.randint(1, 4))
     rng.shuffle(items)
-    return _state(rng, []), {"type": "score", "question": f"How many of these are a {cat}: {', '.join(items)}?",
-                             "criteria": SCORE_LEVELS}, str(k)
+    return _state(rng), count_question(cat, items), str(k)
 
 
-SCORE_LEVELS = ["none", "one", "two", "three"]
+def count_question(cat: str, items: list[str]) -> dict:
+    return {"type": "score", "question": f"How many of these are a {cat}: {', '.join(items)}?",
+            "criteria": ["none", "one", "two", "three"]}
 DECISION_TASKS = {"choice_category": choice_category, "choice_largest": choice_largest, "noul": noul_compare,
                   "score": score_count}
 
@@ -193,7 +194,7 @@ def choice_category_name(rng):
     cat = rng.choice(cats)
     ids = [f"c{i}" for i in range(len(cats))]
     question = {"type": "choice", "question": f"Which option is a {cat}?", "criteria": dict(zip(ids, cats))}
-    return _state(rng, []), question, ids[cats.index(cat)]
+    return _state(rng), question, ids[cats.index(cat)]
 
 
 def knowledge_sentences(rng, n: int) -> list[str]:
@@ -217,8 +218,7 @@ def score_category_name(rng):
     k = rng.randint(0, 3)
     items = [cat] * k + rng.choices([c for c in CATEGORIES if c != cat], k=rng.randint(1, 4))
     rng.shuffle(items)
-    return _state(rng, []), {"type": "score", "question": f"How many of these are a {cat}: {', '.join(items)}?",
-                             "criteria": SCORE_LEVELS}, str(k)
+    return _state(rng), count_question(cat, items), str(k)
 
 
 AUX_TASKS = {"choice_category_name": choice_category_name, "score_category_name": score_category_name}

@@ -29,6 +29,8 @@ class AppArgs(BaseModel):
     chat_max_rows: int = 32                         # concurrent sequences per chat replica (KV-cache rows)
     chat_prefill_chunk: int = 512
     chat_max_waiting: int = 256                     # requests queued inside one engine before 503
+    chat_engine_process: bool = True                # step the model in a child process of the replica
+    chat_torch_threads: int | None = None           # torch intra-op threads of the chat model (None: torch's)
     decision_max_length: int = 65536
     decision_max_batch_tokens: int = 65536
     decision_graphs: bool = True
@@ -56,7 +58,7 @@ def wire(a: AppArgs, options: dict[str, dict] | None = None) -> Application:
         keys += [k.strip() for k in os.environ.get(a.api_keys_env, "").split(",") if k.strip()]
     chat = ChatModel.options(**options.get("ChatModel", {})).bind(
         os.path.abspath(a.chat_checkpoint), a.device, a.chat_model_name, a.chat_max_rows, a.chat_prefill_chunk,
-        a.chat_max_waiting)
+        a.chat_max_waiting, a.chat_engine_process, a.chat_torch_threads)
     decision = DecisionModel.options(**options.get("DecisionModel", {})).bind(
         os.path.abspath(a.decision_checkpoint), a.device, a.decision_model_name, a.decision_max_length,
         a.decision_max_batch_tokens, a.decision_graphs)

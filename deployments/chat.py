@@ -3,7 +3,9 @@
 Many streams share the replica's engine (nanochat's old server and seed 001 served one request at a
 time under a lock). `generate` is a streaming method: the ingress calls it through a streaming handle
 and gets plain-dict events. If the caller goes away, the generator is closed or cancelled and the
-engine aborts the request, freeing its cache rows at the next step.
+engine aborts the request, freeing its cache rows at the next step. By default the engine steps in a child
+process of the replica (core/chat/engine_process.py), so the model and the replica's event loop never wait on
+each other's GIL; `engine_process=False` keeps it on a thread of the replica.
 """
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ import os
 import time
 from typing import AsyncIterator
 
+import torch
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from core.chat import (ChatPrompter, EngineError, EngineFull, LLMEngine, PromptError, SamplingError, SamplingParams,
-                       load_chat_defaults, load_chat_model)
+                       load_chat_defaults, load_chat_model, load_chat_tokenizer)
 from core.chat.async_engine import AsyncEngine
+from core.chat.engine_process import EngineDied, EngineSpec, ProcessEngine
 
 from .errors import error
 
@@ -46,13 +50,14 @@ class ChatMetrics:
                   self.cache):
             m.set_default_tags(dict(tags))   # Serve adds its own tags to the dict it is given
 
-    def engine_step(self, engine: LLMEngine, events) -> None:
-        """Called on the engine thread after every step; the gauges refresh at most every GAUGE_PERIOD_S."""
+    def engine_step(self, stats) -> None:
+        """Called by the engine front with a stats getter (after each step, or as the engine process reports);
+        the gauges refresh at most every GAUGE_PERIOD_S."""
         now = time.monotonic()
         if now - self._gauges_at < GAUGE_PERIOD_S:
             return
         self._gauges_at = now
-        s = engine.stats()
+        s = stats()
         self.running.set(s.running)
         self.waiting.set(s.waiting)
         self.cache.set(s.cache_usage)
@@ -70,30 +75,44 @@ def sampling_params(p: dict, defaults) -> SamplingParams:
 @serve.deployment(name="ChatModel")
 class ChatModel:
     def __init__(self, checkpoint: str, device: str | None = None, model_name: str | None = None,
-                 max_rows: int = 32, prefill_chunk: int = 512, max_waiting: int = 256):
-        model, tok, cfg = load_chat_model(checkpoint, device)
+                 max_rows: int = 32, prefill_chunk: int = 512, max_waiting: int = 256, engine_process: bool = True,
+                 torch_threads: int | None = None):
+        """engine_process: step the model in a child process (the default; see core/chat/engine_process.py)
+        rather than on a thread of the replica. torch_threads: torch's intra-op threads for the model."""
         self.defaults = load_chat_defaults(checkpoint)
         self.name = model_name or os.path.basename(os.path.normpath(checkpoint))
-        self.sequence_len = cfg.sequence_len
-        self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot)
         self.metrics = ChatMetrics(self.name)
-        engine = LLMEngine(model, tok, max_rows=max_rows, prefill_chunk=prefill_chunk,
-                           prefix_ids=self.prompter.prefix_ids, max_waiting=max_waiting)
-        self.engine = AsyncEngine(engine, on_step=self.metrics.engine_step)
-        logger.info("chat model %s loaded on %s (%d rows)", self.name, engine.device, max_rows)
+        if engine_process:
+            tok, cfg = load_chat_tokenizer(checkpoint)
+            self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot)
+            spec = EngineSpec(checkpoint, device, max_rows, prefill_chunk, max_waiting, self.prompter.prefix_ids,
+                              torch_threads)
+            self.engine = ProcessEngine(spec, on_step=self.metrics.engine_step)
+            where = f"{self.engine.info['device']} in engine process {self.engine.pid}"
+        else:
+            if torch_threads:
+                torch.set_num_threads(torch_threads)
+            model, tok, cfg = load_chat_model(checkpoint, device)
+            self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot)
+            engine = LLMEngine(model, tok, max_rows=max_rows, prefill_chunk=prefill_chunk,
+                               prefix_ids=self.prompter.prefix_ids, max_waiting=max_waiting)
+            self.engine = AsyncEngine(engine, on_step=self.metrics.engine_step)
+            where = f"{engine.device} on an engine thread"
+        self.sequence_len = cfg.sequence_len
+        logger.info("chat model %s loaded: %s, %d rows", self.name, where, max_rows)
 
     def info(self) -> dict:
-        return {"id": self.name, "sequence_len": self.sequence_len, "max_n": self.engine.engine.max_rows,
+        return {"id": self.name, "sequence_len": self.sequence_len, "max_n": self.engine.max_rows,
                 "defaults": self.defaults.to_dict() | {"fewshot": len(self.defaults.fewshot)}}
 
     def stats(self) -> dict:
-        s = self.engine.engine.stats()
+        s = self.engine.stats()
         return {"running": s.running, "waiting": s.waiting, "rows_used": s.rows_used, "rows_total": s.rows_total,
-                "kv_cache_usage": s.cache_usage}
+                "kv_cache_usage": s.cache_usage, "engine": type(self.engine).__name__}
 
     def check_health(self) -> None:
         if not self.engine.alive():
-            raise RuntimeError("the chat engine thread has stopped")
+            raise RuntimeError("the chat engine has stopped")
 
     async def generate(self, request: dict) -> AsyncIterator[list[dict]]:
         """request: {"messages": [...], "params": {...}} -> lists of events, each {"index", "text", "segment",
@@ -110,6 +129,9 @@ class ChatModel:
             return
         except EngineFull as e:
             yield [error(f"the chat model is at capacity: {e}", "overloaded_error")]
+            return
+        except EngineDied:
+            yield [error("the chat engine stopped; retry the request", "server_error")]
             return
         self.metrics.prompted.inc(len(prompt.ids))
         last: dict[int, float] = {}
@@ -138,6 +160,8 @@ class ChatModel:
                 batch = await stream.__anext__()
         except StopAsyncIteration:
             self.metrics.e2e.observe(time.monotonic() - arrival)
+        except EngineDied:
+            yield [error("the chat engine stopped while generating; retry the request", "server_error")]
         finally:
             await stream.aclose()
 

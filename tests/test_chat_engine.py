@@ -61,8 +61,9 @@ def test_seeded_sampling_same_alone_and_batched(nanochat_model, tokenizer, top_k
     engine = LLMEngine(nanochat_model, tokenizer, max_rows=8)
     for i, (p, sp) in enumerate(zip(ps, params)):
         engine.add_request(p, sp, f"r{i}")
-    # unrelated, unseeded traffic in the same batch
-    engine.add_request(ps[0], SamplingParams(max_tokens=20, temperature=1.0), "noise")
+    # unrelated, unseeded traffic in the same batch, with filters of its own (a row's token must not depend on
+    # whether its batch mates filter)
+    engine.add_request(ps[0], SamplingParams(max_tokens=20, temperature=1.0, top_k=5, top_p=0.5), "noise")
     batched = collect(engine)
     assert [batched[f"r{i}"] for i in range(4)] == solo
 

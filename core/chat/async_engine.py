@@ -1,10 +1,14 @@
-"""An asyncio front for `LLMEngine`: the model steps on a worker thread, events come back per request.
+"""Asyncio fronts for `LLMEngine`: callers on an event loop stream the events of their requests.
 
-The event loop only enqueues requests and reads events; every forward pass runs on the engine thread,
-which sleeps when there is no work. Events are handed to the loop with one `call_soon_threadsafe` per
-step (and one more for the first tokens, which leave before the step's decode pass). Leaving
-the `generate` iterator early (client disconnect, cancellation, timeout) aborts the request, and its
-cache rows are freed at the engine's next step.
+Two fronts with one interface (`generate`, `stats`, `alive`, `shutdown`):
+- `AsyncEngine` steps the engine on a worker thread of this process.
+- `ProcessEngine` (engine_process.py) steps it in a child process, so the model's Python never competes with
+  the event loop for this process's GIL (what a serving replica uses).
+
+Either way the event loop only enqueues requests and reads events. Events are handed to the loop with one
+`call_soon_threadsafe` per batch of events (the first tokens of new prompts leave before the step's decode
+pass). Leaving the `generate` iterator early (client disconnect, cancellation, timeout) aborts the request,
+and its cache rows are freed at the engine's next step.
 """
 from __future__ import annotations
 
@@ -14,22 +18,93 @@ import threading
 import uuid
 from typing import AsyncIterator
 
-from .engine import LLMEngine, TokenEvent
+from .engine import EngineError, EngineStats, LLMEngine, TokenEvent
 from .sampler import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
-    for queue, ev in items:
-        queue.put_nowait(ev)
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_step=None):
-        self.engine = engine
-        self.on_step = on_step               # called on the engine thread after each step (metrics)
+class EventRouter:
+    """Per-request queues on the callers' event loops, fed from another thread. Subclasses say how a request
+    reaches the engine (`_submit`) and how it is stopped (`_cancel`)."""
+
+    def __init__(self) -> None:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+
+    def _submit(self, prompt: list[int], params: SamplingParams, rid: str) -> None:
+        raise NotImplementedError
+
+    def _cancel(self, rid: str) -> None:
+        raise NotImplementedError
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        self._route([(ev.request_id, ev) for ev in events])
+
+    def _fail(self, rids: list[str], error: BaseException) -> None:
+        """End these requests with `error`, raised from their `generate`."""
+        self._route([(rid, error) for rid in rids])
+
+    def _route(self, items: list[tuple[str, object]]) -> None:
+        """Hand (request id, event or exception) pairs to their requests' loops: one wake-up per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, item in items:
+            target = self._queues.get(rid)
+            if target is not None:
+                loop, queue = target
+                by_loop.setdefault(loop, []).append((queue, item))
+        for loop, pairs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, pairs)
+            except RuntimeError:   # that loop has closed: its callers are gone
+                pass
+
+    async def generate(self, prompt: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[list[TokenEvent]]:
+        """Stream the events of one request until each of its samples has finished. Each item is every event
+        that was ready at that moment (one or more): under load, callers pass tokens on in fewer, larger
+        messages instead of paying a hop per token. A request the engine refuses raises its error (EngineError,
+        EngineFull) from the first iteration."""
+        queue: asyncio.Queue = asyncio.Queue()
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        if rid in self._queues:
+            raise EngineError(f"request id {rid!r} is already in use")
+        self._queues[rid] = (asyncio.get_running_loop(), queue)   # before the engine can emit anything for it
+        try:
+            self._submit(prompt, params, rid)
+        except Exception:
+            self._queues.pop(rid, None)
+            raise
+        remaining = params.n
+        try:
+            while remaining:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                for item in batch:
+                    if isinstance(item, BaseException):
+                        remaining = 0          # refused or lost: there is nothing to abort
+                        raise item
+                remaining -= sum(1 for ev in batch if ev.finish_reason is not None)
+                yield batch
+        finally:
+            self._queues.pop(rid, None)
+            if remaining:
+                self._cancel(rid)
+
+
+class AsyncEngine(EventRouter):
+    """The engine on a worker thread of this process (tests, benchmarks, notebooks)."""
+
+    def __init__(self, engine: LLMEngine, on_step=None):
+        super().__init__()
+        self.engine = engine
+        self.max_rows = engine.max_rows
+        self.on_step = on_step               # called on the engine thread after each step: on_step(stats getter)
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="chat-engine", daemon=True)
@@ -48,49 +123,18 @@ class AsyncEngine:
                 events = self.engine.fail_all("error")
             self._deliver(events)
             if self.on_step is not None:
-                self.on_step(self.engine, events)
+                self.on_step(self.engine.stats)
 
-    def _deliver(self, events: list[TokenEvent]) -> None:
-        """Hand events to their requests' loops: one wake-up per loop, not one per event."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for ev in events:
-            target = self._queues.get(ev.request_id)
-            if target is not None:
-                loop, queue = target
-                by_loop.setdefault(loop, []).append((queue, ev))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:   # that loop has closed: its callers are gone
-                pass
-
-    async def generate(self, prompt: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[list[TokenEvent]]:
-        """Stream the events of one request until each of its samples has finished. Each item is every event
-        that was ready at that moment (one or more): under load, callers pass tokens on in fewer, larger
-        messages instead of paying a hop per token."""
-        queue: asyncio.Queue = asyncio.Queue()
-        rid = request_id or f"req-{uuid.uuid4().hex}"
-        self._queues[rid] = (asyncio.get_running_loop(), queue)   # before the engine can emit anything for it
-        try:
-            self.engine.add_request(prompt, params, rid)
-        except Exception:
-            self._queues.pop(rid, None)
-            raise
+    def _submit(self, prompt: list[int], params: SamplingParams, rid: str) -> None:
+        self.engine.add_request(prompt, params, rid)
         self._wake.set()
-        remaining = params.n
-        try:
-            while remaining:
-                batch = [await queue.get()]
-                while not queue.empty():
-                    batch.append(queue.get_nowait())
-                remaining -= sum(1 for ev in batch if ev.finish_reason is not None)
-                yield batch
-        finally:
-            self._queues.pop(rid, None)
-            if remaining:
-                self.engine.abort(rid)
-                self._wake.set()
+
+    def _cancel(self, rid: str) -> None:
+        self.engine.abort(rid)
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
 
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping

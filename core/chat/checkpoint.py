@@ -47,21 +47,28 @@ def load_chat_defaults(path: str) -> ChatDefaults:
     return ChatDefaults.from_dict(read_json(p)) if os.path.isfile(p) else ChatDefaults()
 
 
-def load_chat_model(path: str, device: str | torch.device | None = None,
-                    dtype: torch.dtype | None = None) -> tuple[ChatModel, ChatTokenizer, ChatModelConfig]:
-    """Load a checkpoint directory. Weights run in bf16 on CUDA and fp32 on CPU unless `dtype` says otherwise."""
+def load_chat_tokenizer(path: str) -> tuple[ChatTokenizer, ChatModelConfig]:
+    """The tokenizer and config of a checkpoint directory, without its weights (for a process that only
+    renders prompts, such as a replica whose engine runs in a child process)."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a checkpoint directory")
     for name in ("config.json", "model.safetensors"):
         if not os.path.isfile(os.path.join(path, name)):
             raise CheckpointError(f"{path}: missing {name}")
-    device = torch.device(device) if device is not None else default_device()
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     config = ChatModelConfig.from_dict(read_json(os.path.join(path, "config.json")))
     tokenizer = ChatTokenizer.from_dir(path)
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model only "
                               f"{config.vocab_size} embeddings")
+    return tokenizer, config
+
+
+def load_chat_model(path: str, device: str | torch.device | None = None,
+                    dtype: torch.dtype | None = None) -> tuple[ChatModel, ChatTokenizer, ChatModelConfig]:
+    """Load a checkpoint directory. Weights run in bf16 on CUDA and fp32 on CPU unless `dtype` says otherwise."""
+    tokenizer, config = load_chat_tokenizer(path)
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = build_model(config)
     state = load_file(os.path.join(path, "model.safetensors"))
     expected = set(_stored_state(model))

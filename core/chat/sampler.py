@@ -61,25 +61,22 @@ def sample(logits: torch.Tensor, temperature: list[float], top_k: list[int | Non
     temp = torch.tensor([t if t > 0 else 1.0 for t in temperature], device=device)[:, None]
     scaled = logits / temp
     ks = [k if k else V for k in top_k]
-    need_filter = any(k < V for k in ks) or any(p < 1.0 for p in top_p)
-    if need_filter:
+    probs = torch.softmax(scaled, dim=-1)
+    if any(k < V for k in ks) or any(p < 1.0 for p in top_p):
+        # which tokens each row keeps, found in descending order, then applied as a mask in vocabulary order:
+        # a row's draw walks the same order whether or not its batch mates filter
         width = max(ks) if all(p >= 1.0 for p in top_p) else V
-        vals, idx = torch.topk(scaled, min(width, V), dim=-1)   # sorted, descending
-        probs = torch.softmax(vals, dim=-1)
+        vals, idx = torch.topk(probs, min(width, V), dim=-1)    # sorted, descending
         rank = torch.arange(vals.size(1), device=device)[None, :]
         keep = rank < torch.tensor(ks, device=device)[:, None]
-        before = probs.cumsum(dim=-1) - probs                    # mass of the higher-ranked tokens
+        before = vals.cumsum(dim=-1) - vals                       # mass of the higher-ranked tokens
         keep &= before < torch.tensor(top_p, device=device)[:, None]
-        probs = probs * keep
-    else:
-        idx = None
-        probs = torch.softmax(scaled, dim=-1)
+        probs = probs * torch.zeros_like(probs, dtype=torch.bool).scatter_(1, idx, keep)
     cdf = probs.cumsum(dim=-1)
-    u = torch.tensor(uniforms, device=device, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
-    choice = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.size(1) - 1)
-    # a kept token always exists (rank 0); guard against landing on a zero-probability tail slot
-    choice = torch.minimum(choice, (probs > 0).sum(-1, keepdim=True) - 1) if need_filter else choice
-    tokens = idx.gather(1, choice) if idx is not None else choice
+    total = cdf[:, -1:]
+    u = torch.tensor(uniforms, device=device, dtype=cdf.dtype)[:, None] * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))   # u < total: lands on a kept token
+    tokens = torch.searchsorted(cdf, u, right=True).clamp_(max=V - 1)
     tokens = tokens[:, 0]
     if any(t == 0.0 for t in temperature):
         greedy = torch.tensor([t == 0.0 for t in temperature], device=device)

@@ -1,0 +1,241 @@
+"""The chat engine in a child process: the model steps there, the caller's event loop only moves messages.
+
+In one process, the engine thread and the serving event loop take turns on one GIL: a forward pass of a
+small model is mostly Python and operator dispatch, every operator hands the GIL over, and the loop's
+streaming work then delays the step (and the step delays the loop). Measured on the 2-core benchmark
+machine, that made the chat replica the bottleneck of the service (README, Benchmarks). `ProcessEngine`
+runs `LLMEngine` in a child process of its own, as vLLM's engine core does, and talks to it over a private
+socket pair:
+
+    parent -> child   ("start", EngineSpec) once, then ("add", rid, prompt, params) | ("abort", rid) | ("stop",)
+    child -> parent   ("ready", info) | ("failed", message) once, then ("events", [TokenEvent]) |
+                      ("rejected", rid, exception) | ("stats", EngineStats)
+
+One "events" message carries every event of a step (the first tokens of new prompts go in an earlier message,
+before the step's decode pass). The child validates requests (a refusal comes back as "rejected" and is raised
+from the caller's `generate`), sends its stats while it has work, and exits when the parent says "stop" or
+when the socket closes: if the parent dies, so does the engine. The parent stops the child by its pid.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from .async_engine import EventRouter
+from .engine import EngineStats, TokenEvent
+from .sampler import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STATS_PERIOD_S = 0.5
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # holds the `core` package
+
+
+@dataclass
+class EngineSpec:
+    """What the child needs to build its engine; the weights are read there, never in the parent."""
+
+    checkpoint: str
+    device: str | None = None
+    max_rows: int = 32
+    prefill_chunk: int = 512
+    max_waiting: int = 256
+    prefix_ids: list[int] = field(default_factory=list)
+    torch_threads: int | None = None
+
+
+class EngineDied(RuntimeError):
+    """The engine process is gone."""
+
+
+class ProcessEngine(EventRouter):
+    def __init__(self, spec: EngineSpec, on_step=None, start_timeout_s: float = 600.0):
+        super().__init__()
+        self.spec, self.on_step = spec, on_step
+        self.max_rows = spec.max_rows
+        self._stats = EngineStats(0, 0, 0, spec.max_rows, 0, 0)
+        self._send_lock = threading.Lock()
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+        self.proc = subprocess.Popen([sys.executable, "-m", "core.chat.engine_process", str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()], env=env, cwd=ROOT)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._closed = self._stopping = False
+        try:
+            self._send(("start", spec))
+            self.info = self._wait_ready(start_timeout_s)
+        except BaseException:
+            self._kill()
+            raise
+        self._reader = threading.Thread(target=self._read, name="chat-engine-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _wait_ready(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._conn.poll(0.5):
+                try:
+                    msg = self._conn.recv()
+                except EOFError:
+                    break
+                if msg[0] == "ready":
+                    return msg[1]
+                raise RuntimeError(f"the chat engine process failed to start:\n{msg[1]}")
+            if self.proc.poll() is not None:
+                break
+        raise RuntimeError(f"the chat engine process did not start (exit code {self.proc.poll()})")
+
+    def _send(self, msg) -> None:
+        with self._send_lock:
+            if self._closed:
+                raise EngineDied("the chat engine process has stopped")
+            self._conn.send(msg)
+
+    def _read(self) -> None:
+        """The reader thread: blocks on the socket (without the GIL) and routes what the child sends."""
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = msg[0]
+            if kind == "events":
+                self._deliver(msg[1])
+            elif kind == "rejected":
+                self._fail([msg[1]], msg[2])
+            elif kind == "stats":
+                self._stats = msg[1]
+                if self.on_step is not None:
+                    self.on_step(self.stats)
+        self._closed = True
+        if not self._stopping:
+            logger.error("lost the connection to the chat engine process %d", self.proc.pid)
+        # nobody waits forever: every open request ends with an error
+        self._fail(list(self._queues), EngineDied("the chat engine process stopped"))
+
+    def _submit(self, prompt: list[int], params: SamplingParams, rid: str) -> None:
+        self._send(("add", rid, list(prompt), params))
+
+    def _cancel(self, rid: str) -> None:
+        try:
+            self._send(("abort", rid))
+        except (EngineDied, OSError):
+            pass
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def alive(self) -> bool:
+        return not self._closed and self.proc.poll() is None
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the child to stop, then make sure: it is killed by its pid if it has not exited in time."""
+        self._stopping = True
+        try:
+            self._send(("stop",))
+        except (EngineDied, OSError):
+            pass
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self._kill()
+        self._close()
+
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self._close()
+
+    def _close(self) -> None:
+        with self._send_lock:
+            if not self._closed:
+                self._closed = True
+            try:
+                self._conn.close()
+            except OSError:
+                pass
+
+
+# ---- the child side
+def serve_engine(conn: Connection) -> None:
+    """The child's main loop: build the engine from the spec, then take requests and step until told to stop."""
+    import torch
+
+    from .checkpoint import load_chat_model
+    from .engine import EngineError, EngineFull, LLMEngine
+
+    kind, spec = conn.recv()
+    assert kind == "start", kind
+    try:
+        if spec.torch_threads:
+            torch.set_num_threads(spec.torch_threads)
+        model, tok, _ = load_chat_model(spec.checkpoint, spec.device)
+        engine = LLMEngine(model, tok, max_rows=spec.max_rows, prefill_chunk=spec.prefill_chunk,
+                           prefix_ids=spec.prefix_ids or None, max_waiting=spec.max_waiting)
+    except Exception:
+        conn.send(("failed", traceback.format_exc()))
+        return
+    conn.send(("ready", {"device": str(engine.device), "pid": os.getpid(), "torch_threads": torch.get_num_threads()}))
+
+    def emit(events: list[TokenEvent]) -> None:
+        conn.send(("events", events))
+
+    stats_at = 0.0
+    while True:
+        if not engine.has_work():
+            if stats_at:                            # the last word after a busy spell: idle stats
+                conn.send(("stats", engine.stats()))
+                stats_at = 0.0
+            conn.poll(None)                         # sleep until the parent sends something (or goes away)
+        while conn.poll(0):
+            msg = conn.recv()                       # EOFError when the parent is gone: the process ends
+            if msg[0] == "add":
+                try:
+                    engine.add_request(msg[2], msg[3], msg[1])
+                except (EngineError, EngineFull) as e:
+                    conn.send(("rejected", msg[1], e))
+            elif msg[0] == "abort":
+                engine.abort(msg[1])
+            elif msg[0] == "stop":
+                return
+        if not engine.has_work():
+            continue
+        try:
+            events = engine.step(emit=emit)
+        except Exception:   # a fault in the model ends every request, never the process
+            logger.exception("engine step failed; ending every request")
+            events = engine.fail_all("error")
+        if events:
+            emit(events)
+        now = time.monotonic()
+        if now - stats_at >= STATS_PERIOD_S:
+            conn.send(("stats", engine.stats()))
+            stats_at = now
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s chat-engine %(levelname)s %(message)s")
+    conn = Connection(int(argv[0]))
+    try:
+        serve_engine(conn)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass                                        # the parent went away: nothing left to serve
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,177 @@
+"""The engine in a child process (ProcessEngine) against the same engine on a thread (AsyncEngine)."""
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from core.chat import EngineError, EngineFull, LLMEngine, SamplingParams, load_chat_model, save_chat_model
+from core.chat.async_engine import AsyncEngine
+from core.chat.engine_process import EngineDied, EngineSpec, ProcessEngine
+from tests.conftest import tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("engine-process") / "chat"
+    save_chat_model(str(path), tiny_model("nanochat", tokenizer, sequence_len=512), tokenizer)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    pe = ProcessEngine(EngineSpec(checkpoint, "cpu", max_rows=4, torch_threads=1))
+    yield pe
+    pe.shutdown()
+    assert pe.proc.returncode is not None
+
+
+def run(coro, timeout=60):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def stream_tokens(front, prompt, params):
+    out: dict[int, list] = {}
+    async for batch in front.generate(prompt, params):
+        for ev in batch:
+            out.setdefault(ev.index, []).append((ev.token, ev.text, ev.finish_reason))
+    return out
+
+
+REQUESTS = [([5, 6, 7, 8], SamplingParams(max_tokens=12, temperature=1.0, seed=1, ignore_eos=True)),
+            ([9, 10], SamplingParams(max_tokens=9, temperature=0.0)),
+            ([11, 12, 13], SamplingParams(max_tokens=7, temperature=0.8, top_k=20, seed=7, n=2)),
+            ([14] * 30, SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=3))]
+
+
+def test_same_streams_as_the_thread_engine(engine, checkpoint):
+    """Concurrent seeded and greedy requests give the same tokens, text and endings in both fronts."""
+    async def all_of(front):
+        return await asyncio.gather(*(stream_tokens(front, p, params) for p, params in REQUESTS))
+
+    model, tok, _ = load_chat_model(checkpoint, "cpu")
+    threaded = AsyncEngine(LLMEngine(model, tok, max_rows=4))
+    try:
+        reference = run(all_of(threaded))
+    finally:
+        threaded.shutdown()
+    got = run(all_of(engine))
+    assert got == reference
+    assert [len(r) for r in got] == [1, 1, 2, 1] and len(got[0][0]) == 13   # 12 tokens, then the end
+
+
+def test_refusals_are_raised_from_generate(engine, checkpoint):
+    async def first(prompt, params, front=engine):
+        async for batch in front.generate(prompt, params):
+            return batch
+
+    with pytest.raises(EngineError, match="empty"):
+        run(first([], SamplingParams()))
+    with pytest.raises(EngineError, match="context"):
+        run(first([3] * 600, SamplingParams()))
+    with pytest.raises(EngineError, match="exceeds"):
+        run(first([3], SamplingParams(n=5)))
+    # a full waiting queue: one row, one waiting slot, three requests
+    small = ProcessEngine(EngineSpec(checkpoint, "cpu", max_rows=1, max_waiting=1))
+
+    async def crowd():
+        hold = small.generate([1, 2], SamplingParams(max_tokens=400, ignore_eos=True))
+        await hold.__anext__()                                  # running: holds the only row
+        queued = small.generate([1, 2], SamplingParams(max_tokens=2))
+        task = asyncio.ensure_future(queued.__anext__())        # waits for the row
+        await asyncio.sleep(0.2)
+        try:
+            await first([1, 2], SamplingParams(max_tokens=2), small)
+        finally:
+            await hold.aclose()
+            await task
+            await queued.aclose()
+
+    try:
+        with pytest.raises(EngineFull):
+            run(crowd())
+    finally:
+        small.shutdown()
+
+
+def test_leaving_a_stream_frees_its_rows(engine):
+    async def main():
+        agen = engine.generate([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+        await agen.__anext__()
+        deadline = time.monotonic() + 10
+        while not engine.stats().running and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)                           # the child reports its stats while it works
+        busy = engine.stats()
+        await agen.aclose()
+        deadline = time.monotonic() + 10
+        while engine.stats().rows_used and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return busy, engine.stats()
+
+    busy, idle = run(main())
+    assert busy.running == 1 and busy.rows_used == 1
+    assert idle.running == 0 and idle.rows_used == 0
+
+
+def test_a_dead_engine_ends_open_streams(checkpoint):
+    pe = ProcessEngine(EngineSpec(checkpoint, "cpu", max_rows=2))
+
+    async def main():
+        agen = pe.generate([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+        await agen.__anext__()
+        os.kill(pe.pid, signal.SIGKILL)                         # the child this test started, by its pid
+        async for _ in agen:
+            pass
+
+    try:
+        with pytest.raises(EngineDied):
+            run(main(), timeout=30)
+        assert not pe.alive()
+        with pytest.raises(EngineDied):
+            run(stream_tokens(pe, [1, 2], SamplingParams(max_tokens=2)))
+    finally:
+        pe.shutdown()
+
+
+def test_child_exits_when_its_parent_dies(checkpoint, tmp_path):
+    """A replica killed outright must not leave its engine process behind."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from core.chat.engine_process import EngineSpec, ProcessEngine
+        pe = ProcessEngine(EngineSpec({checkpoint!r}, "cpu", max_rows=1))
+        print(pe.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(parent.stdout.readline())
+        parent.kill()                                           # by its pid: SIGKILL, no cleanup code runs
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and alive(child):
+            time.sleep(0.1)
+        assert not alive(child)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(timeout=30)
+        if child is not None and alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for its new parent to reap it counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

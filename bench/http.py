@@ -1,19 +1,22 @@
 """HTTP benchmark of the running service, against a seed-001-style baseline on the same checkpoint.
 
-    RAY_SERVE_THROUGHPUT_OPTIMIZED=1 .venv/bin/serve run serve_config.cpu.yaml &    # the service under test
+    RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 .venv/bin/serve run serve_config.cpu.yaml &
     python -m bench.http [--url http://127.0.0.1:8000] [--direct-url http://127.0.0.1:30000]
-                         [--checkpoint models/demo-chat] [--per-client 4] [--json out.json] [--svg bench/http.svg]
+                         [--checkpoint models/demo-chat] [--per-client 16] [--baseline-per-client 4]
+                         [--json out.json] [--svg bench/http.svg]
 
 Chat with 1, 8 and 32 concurrent streams (time to first token and inter-token latency p50/p99, aggregate
-tokens/s), through Serve's proxy (--url) and, with --direct-url, straight to the Ingress replica's own
-HTTP server (what a load balancer such as Ray's HAProxy ingress reaches in production), on three
+tokens/s), through port 8000 (--url: HAProxy with the README's command, Serve's Python proxy without
+RAY_SERVE_ENABLE_HA_PROXY) and, with --direct-url, straight to the Ingress replica's own HTTP server (the
+port HAProxy forwards to; `ss -ltnp` shows it, 30000 when it was free), on three
 workloads: `question` (a single question), `history` (six earlier exchanges, then a question) and
 `long` (a single question with `ignore_eos`, so every answer runs to --max-tokens tokens, as vLLM's
 benchmarks do; tokens past the end of the turn show no text and are counted on neither side). Each
-stream is a client that sends its next request when the previous one ends (`--per-client` requests),
-so concurrency holds steady instead of arriving as one burst. Then decisions with 32 concurrent clients
-(questions/s, p50/p99), and the same chat runs against the baseline (one generation at a time under a
-lock, no KV cache; bench/baseline.py) started here on another port. Streams count chunks that carry
+stream is a client that sends its next request when the previous one ends (`--per-client` requests,
+16: the first round, which arrives as one burst, is then a sixteenth of the samples), so concurrency
+holds steady. Then decisions with 32 concurrent clients (questions/s, p50/p99), and the same chat runs
+against the baseline (one generation at a time under a lock, no KV cache; bench/baseline.py) started
+here on another port; it serves one request at a time, so its runs use fewer (`--baseline-per-client`). Streams count chunks that carry
 output (text, or a calculator call or result) on both sides, so the comparison is like for like. Chat
 streams go through bench/sse.py, a lean client (the load generator shares the CPU with the service);
 the JSON output has this process's CPU per request for each run.
@@ -195,7 +198,9 @@ def main():
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--direct-url", help="the Ingress replica's own HTTP server (direct ingress, no proxy hop), "
                                         "e.g. http://127.0.0.1:30000: also measured when given")
-    p.add_argument("--per-client", type=int, default=4, help="requests each concurrent client sends in turn")
+    p.add_argument("--per-client", type=int, default=16, help="requests each concurrent client sends in turn")
+    p.add_argument("--baseline-per-client", type=int, default=4,
+                   help="the same for the baseline, which serves one request at a time (so fewer suffice)")
     p.add_argument("--json")
     p.add_argument("--svg")
     args = p.parse_args()
@@ -209,12 +214,12 @@ def main():
     server, thread, base_url = start_baseline(args.checkpoint)
     try:
         asyncio.run(chat_load(base_url, 1, 8, 1))
-        baseline = run_chat(base_url, args.max_tokens, args.per_client, (1, 32))
+        baseline = run_chat(base_url, args.max_tokens, args.baseline_per_client, (1, 32))
     finally:
         server.should_exit = True
         thread.join(timeout=30)
     result = {"machine": f"{platform.machine()}, {platform.python_version()}", "max_tokens": args.max_tokens,
-              "per_client": args.per_client, "workloads": WORKLOADS, "service": service, "direct": direct,
+              "per_client": args.per_client, "baseline_per_client": args.baseline_per_client, "workloads": WORKLOADS, "service": service, "direct": direct,
               "decisions": decisions, "baseline": baseline}
     runs = {"service": service} | ({"direct": direct} if direct else {})
     result["speedup_32"] = {f"{name} {w}": r[w][32]["tokens_per_s"] / baseline[w][32]["tokens_per_s"]

@@ -81,6 +81,8 @@ class LocalCluster:
         env.pop("RAY_ADDRESS", None)
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token)
         env.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")   # the request path production runs (README)
+        # HAProxy stays off here: every "node" of this cluster shares one host, and each node's HAProxy would
+        # bind the same ports (8000, 8404, 9101); Serve's proxy on the head answers instead.
         # notice a lost node within seconds (Ray's defaults are tuned for flaky cloud networks)
         env.setdefault("RAY_health_check_period_ms", "1000")
         env.setdefault("RAY_health_check_failure_threshold", "3")

@@ -26,6 +26,7 @@ def test_rayservice_serves_serve_config():
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} <= set(env)
         assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"   # every node: controller, proxy and replicas agree
+        assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"        # HAProxy answers on port 8000 of every node
 
 
 def test_cluster_launcher_config():
@@ -36,4 +37,4 @@ def test_cluster_launcher_config():
     assert any("-c constraints.txt" in c and "[gpu]" in c for c in cfg["worker_setup_commands"])
     assert any("serve deploy serve_config.yaml" in c for c in cfg["head_start_ray_commands"])
     for cmd in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]:
-        assert "RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in cmd
+        assert "RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1" in cmd

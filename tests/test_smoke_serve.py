@@ -26,9 +26,28 @@ def readme_serve_command() -> tuple[dict, list[str]]:
     return env, [w for w in words if "=" not in w]
 
 
+def session_members(sid: int) -> list[int]:
+    """Processes in session `sid` (the one a `start_new_session` child leads), read from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
 def test_readme_serve_command(tmp_path):
     env, argv = readme_serve_command()
     assert argv == [".venv/bin/serve", "run", "serve_config.cpu.yaml"], argv
+    assert env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"   # HAProxy answers on the port, in front of the Ingress
+    # HAProxy's own listeners (metrics, stats) and Serve's fallback proxy on free ports, not their fixed defaults
+    env |= {"RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port())}
     cfg = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())
     port = free_port()
     cfg["http_options"]["port"] = port
@@ -65,6 +84,15 @@ def test_readme_serve_command(tmp_path):
         r = httpx.post(f"{url}/v1/systemone", timeout=60, json={
             "state": "s", "questions": {"q": {"type": "noul", "question": "is it"}}})
         assert r.status_code == 200 and 0 <= r.json()["answers"]["q"]["noul"] <= 1
+        # errors come back through HAProxy as the service wrote them
+        bad = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={"messages": []})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+        assert httpx.get(f"{url}/v1/nope", timeout=60).status_code == 404
+        # a stream through HAProxy, served by the engine in its own process
+        with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json=hello | {"stream": True}) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert len(events) > 3 and events[-1] == "data: [DONE]"
+        assert httpx.get(f"{url}/debug/stats", timeout=10).json()["chat"]["engine"] == "ProcessEngine"
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)        # serve run's own clean shutdown: Serve, then its Ray
@@ -72,10 +100,16 @@ def test_readme_serve_command(tmp_path):
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)    # whatever of its group is left
-        except ProcessLookupError:
-            pass
+        deadline = time.monotonic() + 15           # its Ray processes (and HAProxy) finish exiting
+        while session_members(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = session_members(proc.pid)
+        for pid in left:                           # what it started and left behind, by pid
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait(timeout=10)
         log.close()
     assert proc.returncode is not None
+    assert not left, f"processes left running after serve run exited: {left}"

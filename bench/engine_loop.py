@@ -1,7 +1,12 @@
-"""The HTTP benchmark's chat workloads against the engine alone: AsyncEngine in this process, no Serve, no HTTP.
+"""The HTTP benchmark's chat workloads against the engine alone: no Serve, no HTTP.
 
     python -m bench.engine_loop [--checkpoint models/demo-chat] [--per-client 4] [--max-tokens 64]
                                 [--prefill-chunk 512] [--workloads question history long]
+                                [--front thread|process] [--torch-threads N]
+
+`--front thread` (the default) steps the engine on a thread of this process (AsyncEngine); `--front process`
+in a child process (ProcessEngine, what the chat replica uses), so the clients' event loop and the model
+do not share a GIL.
 
 Same closed loop and workloads as bench/http.py (each of N clients sends its next request when the last one
 ends) on the demo chat checkpoint, so the two tables side by side show what the serving path adds to time to
@@ -13,9 +18,12 @@ import argparse
 import asyncio
 import time
 
+import torch
+
 from bench.http import WORKLOADS, conversations, pct
 from core.chat import ChatPrompter, LLMEngine, SamplingParams, load_chat_defaults, load_chat_model
 from core.chat.async_engine import AsyncEngine
+from core.chat.engine_process import EngineSpec, ProcessEngine
 
 
 async def closed_loop(engine, prompter, clients, per_client, max_tokens, turns, ignore_eos):
@@ -48,11 +56,19 @@ def main():
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prefill-chunk", type=int, default=512, help="the engine's prompt tokens per step")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--front", choices=("thread", "process"), default="thread")
+    p.add_argument("--torch-threads", type=int, help="torch threads of the model (default: torch's)")
     args = p.parse_args()
     model, tok, cfg = load_chat_model(args.checkpoint, "cpu")
     prompter = ChatPrompter(tok, cfg.sequence_len, load_chat_defaults(args.checkpoint).fewshot)
-    engine = AsyncEngine(LLMEngine(model, tok, max_rows=32, prefill_chunk=args.prefill_chunk,
-                                   prefix_ids=prompter.prefix_ids))
+    if args.front == "process":
+        engine = ProcessEngine(EngineSpec(args.checkpoint, "cpu", 32, args.prefill_chunk, 256, prompter.prefix_ids,
+                                          args.torch_threads))
+    else:
+        if args.torch_threads:
+            torch.set_num_threads(args.torch_threads)
+        engine = AsyncEngine(LLMEngine(model, tok, max_rows=32, prefill_chunk=args.prefill_chunk,
+                                       prefix_ids=prompter.prefix_ids))
     try:
         asyncio.run(closed_loop(engine, prompter, 2, 1, 8, 0, False))     # warm-up
         print(f"{'workload':10}{'streams':>8}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}")

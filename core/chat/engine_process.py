@@ -162,8 +162,7 @@ class ProcessEngine(EventRouter):
 
     def _close(self) -> None:
         with self._send_lock:
-            if not self._closed:
-                self._closed = True
+            self._closed = True
             try:
                 self._conn.close()
             except OSError:

@@ -175,3 +175,30 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_chat_deployment_same_events_with_either_front(checkpoint):
+    """The chat deployment class (outside Serve) streams the same events whether its engine runs in a child
+    process or on a thread, and turns a refused request into an error event either way."""
+    from deployments.chat import ChatModel
+
+    request = {"messages": [{"role": "user", "content": "hello how are you"}],
+               "params": {"max_tokens": 10, "temperature": 1.0, "seed": 11, "n": 2}}
+    too_many = {"messages": request["messages"], "params": {"n": 9}}
+
+    async def events(model, req):
+        return [ev async for batch in model.generate(req) for ev in batch]
+
+    got = {}
+    for engine_process in (True, False):
+        model = ChatModel.func_or_class(checkpoint, "cpu", max_rows=4, engine_process=engine_process)
+        try:
+            assert type(model.engine).__name__ == ("ProcessEngine" if engine_process else "AsyncEngine")
+            got[engine_process] = (run(events(model, request)), run(events(model, too_many)))
+        finally:
+            model.engine.shutdown()
+    assert got[True] == got[False]
+    streamed, refused = got[True]
+    assert sum(1 for ev in streamed if ev["token"] is not None) == 20
+    assert [ev["finish_reason"] for ev in streamed if ev["finish_reason"]] == ["length", "length"]
+    assert refused[0]["error"]["type"] == "invalid_request_error" and "n=9" in refused[0]["error"]["message"]

@@ -1,6 +1,6 @@
 """Engine benchmark: single-stream vs 32-stream throughput, time to first token, engine step overhead.
 
-    python -m bench.engine [--json out.json]
+    python -m bench.engine [--json out.json] [--device cpu|cuda]
 
 A small nanochat-architecture model (4 layers, width 256) with random weights; special-token logits are
 zeroed so every stream runs its full length. Prints a table; figures go in the README with date and machine.
@@ -63,10 +63,11 @@ def run_streams(model, tok, n_streams, prompt_len, max_tokens):
 def bare_forward_ms(model, batch, position, repeats=50):
     from core.chat.kv_cache import KVCache
 
-    cache = KVCache.for_model(model.config, batch, initial_len=position + 1)
-    ids = torch.randint(0, 200, (batch, 1))
+    device, dtype = model.get_device(), next(model.parameters()).dtype
+    cache = KVCache.for_model(model.config, batch, initial_len=position + 1, dtype=dtype, device=device)
+    ids = torch.randint(0, 200, (batch, 1), device=device)
     rows, start = list(range(batch)), [position] * batch
-    last = torch.zeros(batch, dtype=torch.long)
+    last = torch.zeros(batch, dtype=torch.long, device=device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -81,16 +82,20 @@ def main():
     p.add_argument("--json")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16)")
     args = p.parse_args()
     torch.manual_seed(0)
     model, tok = bench_model()
+    if args.device != "cpu":
+        model = model.to(args.device, torch.bfloat16)
     run_streams(model, tok, 2, 16, 8)   # warm-up
     one = run_streams(model, tok, 1, args.prompt_len, args.max_tokens)
     many = run_streams(model, tok, 32, args.prompt_len, args.max_tokens)
     bare = bare_forward_ms(model, 32, args.prompt_len + args.max_tokens // 2)
     result = {
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "model": "nanochat 4 layers x 256, vocab 2048, fp32 CPU",
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"
+                   + (f", {torch.cuda.get_device_name()}" if args.device != "cpu" else ""),
+        "model": "nanochat 4 layers x 256, vocab 2048, " + ("fp32 CPU" if args.device == "cpu" else "bf16 " + args.device),
         "single": one, "concurrent_32": many,
         "speedup_32_vs_1": many["tokens_per_s"] / one["tokens_per_s"],
         "bare_forward_ms_b32": bare,

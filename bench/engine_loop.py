@@ -2,7 +2,7 @@
 
     python -m bench.engine_loop [--checkpoint models/demo-chat] [--per-client 4] [--max-tokens 64]
                                 [--prefill-chunk 512] [--workloads question history long]
-                                [--front thread|process] [--torch-threads N]
+                                [--front thread|process] [--torch-threads N] [--device cpu|cuda]
 
 `--front thread` (the default) steps the engine on a thread of this process (AsyncEngine); `--front process`
 in a child process (ProcessEngine, what the chat replica uses), so the clients' event loop and the model
@@ -58,11 +58,14 @@ def main():
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--front", choices=("thread", "process"), default="thread")
     p.add_argument("--torch-threads", type=int, help="torch threads of the model (default: torch's)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (bf16)")
     args = p.parse_args()
-    model, tok, cfg = load_chat_model(args.checkpoint, "cpu")
+    print(f"device {args.device}, front {args.front}")
+    model, tok, cfg = load_chat_model(args.checkpoint, args.device)
     prompter = ChatPrompter(tok, cfg.sequence_len, load_chat_defaults(args.checkpoint).fewshot)
     if args.front == "process":
-        engine = ProcessEngine(EngineSpec(args.checkpoint, "cpu", 32, args.prefill_chunk, 256, prompter.prefix_ids,
+        del model                                   # the child loads its own copy
+        engine = ProcessEngine(EngineSpec(args.checkpoint, args.device, 32, args.prefill_chunk, 256, prompter.prefix_ids,
                                           args.torch_threads))
     else:
         if args.torch_threads:

@@ -109,3 +109,23 @@ def test_cuda_bf16_cache_decode_tracks_fp32(arch, tokenizer):
     got = torch.cat(out, 1).cpu()
     assert (got - ref).abs().max().item() < 0.25
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["nanochat", "gpt2"])
+def test_cuda_attention_avoids_cudnn(arch, tokenizer):
+    """Decoding on CUDA never runs cuDNN's attention (it plans anew for every key length: README, chat core);
+    prefill and decode still run through the other SDPA kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = tiny_model(arch, tokenizer, seed=6, std=0.1).to("cuda", torch.bfloat16)
+    cache = KVCache.for_model(gpu.config, rows=2, initial_len=8, dtype=torch.bfloat16, device="cuda")
+    ids = torch.randint(0, tokenizer.vocab_size, (2, 12), device="cuda")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        gpu(ids[:, :8], CacheBatch.build(cache, [0, 1], [0, 0], 8))
+        for t in range(8, 12):
+            gpu(ids[:, t:t + 1], CacheBatch.build(cache, [0, 1], [t, t], 1))
+        gpu(ids)                                    # the causal pass without a cache
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::scaled_dot_product_attention" in names
+    assert not any("cudnn_attention" in n for n in names), sorted(n for n in names if "attention" in n)

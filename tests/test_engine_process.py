@@ -202,3 +202,36 @@ def test_chat_deployment_same_events_with_either_front(checkpoint):
     assert sum(1 for ev in streamed if ev["token"] is not None) == 20
     assert [ev["finish_reason"] for ev in streamed if ev["finish_reason"]] == ["length", "length"]
     assert refused[0]["error"]["type"] == "invalid_request_error" and "n=9" in refused[0]["error"]["message"]
+
+
+@pytest.mark.gpu
+def test_cuda_process_engine_matches_thread_engine(checkpoint):
+    """On CUDA (bf16) the child process owns the GPU; one request at a time, so both fronts run the same shapes
+    and must give the same tokens; then all requests at once must all finish."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+    async def one_by_one(front):
+        return [await stream_tokens(front, p, params) for p, params in REQUESTS]
+
+    model, tok, _ = load_chat_model(checkpoint, "cuda")
+    threaded = AsyncEngine(LLMEngine(model, tok, max_rows=4))
+    try:
+        reference = run(one_by_one(threaded))
+    finally:
+        threaded.shutdown()
+    pe = ProcessEngine(EngineSpec(checkpoint, "cuda", max_rows=4))
+    try:
+        assert pe.info["device"].startswith("cuda")
+        assert run(one_by_one(pe)) == reference
+        async def all_at_once():
+            return await asyncio.gather(*(stream_tokens(pe, p, params) for p, params in REQUESTS))
+
+        together = run(all_at_once())
+        assert [sorted(r) for r in together] == [sorted(r) for r in reference]
+        assert [[out[-1][2] for out in r.values()] for r in together] == \
+            [[out[-1][2] for out in r.values()] for r in reference]
+    finally:
+        pe.shutdown()

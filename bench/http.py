@@ -204,6 +204,12 @@ def main():
     p.add_argument("--json")
     p.add_argument("--svg")
     args = p.parse_args()
+    for url in filter(None, (args.url, args.direct_url)):   # fail now, not after minutes of load on the other
+        try:
+            httpx.get(f"{url}/healthz", timeout=10).raise_for_status()
+        except httpx.HTTPError as e:
+            p.error(f"{url} does not answer /healthz ({e}); with RAY_SERVE_ENABLE_HA_PROXY the Ingress replica's "
+                    "own port is in the 30000-31000 range (ss -ltnp shows it)")
     asyncio.run(chat_load(args.url, 2, 8, 1))      # warm-up
     service = run_chat(args.url, args.max_tokens, args.per_client, (1, 8, 32))
     decisions = asyncio.run(decision_load(args.url, 32, 4))

@@ -124,7 +124,8 @@ class ProcessEngine(EventRouter):
         if not self._stopping:
             logger.error("lost the connection to the chat engine process %d", self.proc.pid)
         # nobody waits forever: every open request ends with an error
-        self._fail(list(self._queues), EngineDied("the chat engine process stopped"))
+        for rid in list(self._queues):              # one exception per request: each is raised in its own task
+            self._fail([rid], EngineDied("the chat engine process stopped"))
 
     def _submit(self, prompt: list[int], params: SamplingParams, rid: str) -> None:
         self._send(("add", rid, list(prompt), params))

@@ -109,14 +109,24 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, model: ChatModel, tokenizer: ChatTokenizer, max_rows: int = 32, prefill_chunk: int = 512,
-                 initial_cache_len: int | None = 256, prefix_ids: list[int] | None = None, max_waiting: int = 1024):
+                 initial_cache_len: int | None = 256, prefix_ids: list[int] | None = None, max_waiting: int = 1024,
+                 cuda_graphs: bool = True):
+        """cuda_graphs: on a CUDA device, replay recorded graphs for decode passes (cuda_graphs.py); the cache is
+        then allocated at full length, with one extra scratch row."""
         self.model, self.tok = model.eval(), tokenizer
         cfg = model.config
         self.sequence_len = cfg.sequence_len
         self.max_rows, self.prefill_chunk, self.max_waiting = max_rows, max(1, prefill_chunk), max_waiting
         self.device = model.get_device()
         dtype = next(model.parameters()).dtype
-        self.cache = KVCache.for_model(cfg, max_rows, initial_cache_len, dtype=dtype, device=self.device)
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            from .cuda_graphs import DecodeGraphs
+
+            self.cache = KVCache.for_model(cfg, max_rows + 1, cfg.sequence_len, dtype=dtype, device=self.device)
+            self.graphs = DecodeGraphs(model, self.cache, scratch_row=max_rows, max_batch=max_rows)
+        else:
+            self.cache = KVCache.for_model(cfg, max_rows, initial_cache_len, dtype=dtype, device=self.device)
         t = tokenizer.encode_special
         self.python_start, self.python_end = t("<|python_start|>"), t("<|python_end|>")
         self.output_start, self.output_end = t("<|output_start|>"), t("<|output_end|>")
@@ -280,9 +290,13 @@ class LLMEngine:
 
     def _decode(self, decoding: list[tuple[_Request, _Sample]], events: list[TokenEvent]) -> None:
         decoding.sort(key=lambda rs: rs[1].row)
-        ids = torch.tensor([[s.pending] for _, s in decoding], device=self.device)
-        cb = CacheBatch.build(self.cache, [s.row for _, s in decoding], [s.position for _, s in decoding], 1)
-        logits = self.model(ids, cb, last=torch.zeros(len(decoding), dtype=torch.long, device=self.device))
+        rows, positions = [s.row for _, s in decoding], [s.position for _, s in decoding]
+        if self.graphs is not None:
+            logits = self.graphs.run([s.pending for _, s in decoding], rows, positions)
+        else:
+            ids = torch.tensor([[s.pending] for _, s in decoding], device=self.device)
+            cb = CacheBatch.build(self.cache, rows, positions, 1)
+            logits = self.model(ids, cb, last=torch.zeros(len(decoding), dtype=torch.long, device=self.device))
         sampled = self._sample(logits, decoding)
         for (req, s), tok in zip(decoding, sampled):
             s.position += 1

@@ -31,6 +31,7 @@ class AppArgs(BaseModel):
     chat_max_waiting: int = 256                     # requests queued inside one engine before 503
     chat_engine_process: bool = True                # step the model in a child process of the replica
     chat_torch_threads: int | None = None           # torch intra-op threads of the chat model (None: torch's)
+    chat_cuda_graphs: bool = True                   # on CUDA, decode passes replay recorded graphs
     decision_max_length: int = 65536
     decision_max_batch_tokens: int = 65536
     decision_graphs: bool = True
@@ -58,7 +59,8 @@ def wire(a: AppArgs, options: dict[str, dict] | None = None) -> Application:
         keys += [k.strip() for k in os.environ.get(a.api_keys_env, "").split(",") if k.strip()]
     chat = ChatModel.options(**options.get("ChatModel", {})).bind(
         os.path.abspath(a.chat_checkpoint), a.device, a.chat_model_name, a.chat_max_rows, a.chat_prefill_chunk,
-        a.chat_max_waiting, a.chat_engine_process, a.chat_torch_threads)
+        a.chat_max_waiting, a.chat_engine_process, a.chat_torch_threads,
+        a.chat_cuda_graphs)
     decision = DecisionModel.options(**options.get("DecisionModel", {})).bind(
         os.path.abspath(a.decision_checkpoint), a.device, a.decision_model_name, a.decision_max_length,
         a.decision_max_batch_tokens, a.decision_graphs)

@@ -76,9 +76,10 @@ def sampling_params(p: dict, defaults) -> SamplingParams:
 class ChatModel:
     def __init__(self, checkpoint: str, device: str | None = None, model_name: str | None = None,
                  max_rows: int = 32, prefill_chunk: int = 512, max_waiting: int = 256, engine_process: bool = True,
-                 torch_threads: int | None = None):
+                 torch_threads: int | None = None, cuda_graphs: bool = True):
         """engine_process: step the model in a child process (the default; see core/chat/engine_process.py)
-        rather than on a thread of the replica. torch_threads: torch's intra-op threads for the model."""
+        rather than on a thread of the replica. torch_threads: torch's intra-op threads for the model.
+        cuda_graphs: on CUDA, replay recorded graphs for decode passes (core/chat/cuda_graphs.py)."""
         self.defaults = load_chat_defaults(checkpoint)
         self.name = model_name or os.path.basename(os.path.normpath(checkpoint))
         self.metrics = ChatMetrics(self.name)
@@ -86,7 +87,7 @@ class ChatModel:
             tok, cfg = load_chat_tokenizer(checkpoint)
             self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot)
             spec = EngineSpec(checkpoint, device, max_rows, prefill_chunk, max_waiting, self.prompter.prefix_ids,
-                              torch_threads)
+                              torch_threads, cuda_graphs)
             self.engine = ProcessEngine(spec, on_step=self.metrics.engine_step)
             where = f"{self.engine.info['device']} in engine process {self.engine.pid}"
         else:
@@ -95,7 +96,7 @@ class ChatModel:
             model, tok, cfg = load_chat_model(checkpoint, device)
             self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot)
             engine = LLMEngine(model, tok, max_rows=max_rows, prefill_chunk=prefill_chunk,
-                               prefix_ids=self.prompter.prefix_ids, max_waiting=max_waiting)
+                               prefix_ids=self.prompter.prefix_ids, max_waiting=max_waiting, cuda_graphs=cuda_graphs)
             self.engine = AsyncEngine(engine, on_step=self.metrics.engine_step)
             where = f"{engine.device} on an engine thread"
         self.sequence_len = cfg.sequence_len

@@ -50,6 +50,7 @@ class EngineSpec:
     max_waiting: int = 256
     prefix_ids: list[int] = field(default_factory=list)
     torch_threads: int | None = None
+    cuda_graphs: bool = True
 
 
 class EngineDied(RuntimeError):
@@ -185,7 +186,8 @@ def serve_engine(conn: Connection) -> None:
             torch.set_num_threads(spec.torch_threads)
         model, tok, _ = load_chat_model(spec.checkpoint, spec.device)
         engine = LLMEngine(model, tok, max_rows=spec.max_rows, prefill_chunk=spec.prefill_chunk,
-                           prefix_ids=spec.prefix_ids or None, max_waiting=spec.max_waiting)
+                           prefix_ids=spec.prefix_ids or None, max_waiting=spec.max_waiting,
+                           cuda_graphs=spec.cuda_graphs)
     except Exception:
         conn.send(("failed", traceback.format_exc()))
         return

@@ -299,3 +299,30 @@ def test_cuda_graph_decode_matches_eager(arch, tokenizer):
             assert len(engine.graphs.graphs) >= 2     # more than one batch bucket was recorded and replayed
     assert runs[True] == runs[False]
     assert sorted(runs[True]) == [f"r{i}" for i in range(6)] and len(runs[True]["r4"]) == 2
+
+
+def test_failed_graph_recording_falls_back_to_eager(nanochat_model, tokenizer, caplog):
+    """If recording a decode graph fails, the engine logs it, turns graphs off and decodes eagerly: same tokens."""
+    from core.chat.cuda_graphs import GraphCaptureError
+
+    class Failing:
+        calls = 0
+
+        def run(self, tokens, rows, positions):
+            Failing.calls += 1
+            raise GraphCaptureError("no graphs here")
+
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=4)
+    ps = prompts(3, seed=9)
+    runs = []
+    for inject in (False, True):
+        engine = LLMEngine(nanochat_model, tokenizer, max_rows=3)
+        if inject:
+            engine.graphs = Failing()
+        for i, p in enumerate(ps):
+            engine.add_request(p, params, f"r{i}")
+        runs.append(collect(engine))
+        if inject:
+            assert engine.graphs is None
+    assert runs[0] == runs[1]
+    assert Failing.calls == 1 and "decoding eagerly" in caplog.text

@@ -16,6 +16,10 @@ import torch
 from .kv_cache import CacheBatch, KVCache
 
 
+class GraphCaptureError(RuntimeError):
+    """Recording a graph failed; the caller runs the pass eagerly instead."""
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -66,7 +70,10 @@ class DecodeGraphs:
         key = (_ceil(self.batch_buckets, n), _ceil(self.len_buckets, max(positions) + 1))
         g = self.graphs.get(key)
         if g is None:
-            g = self.graphs[key] = self._record(*key)
+            try:
+                g = self.graphs[key] = self._record(*key)
+            except Exception as e:
+                raise GraphCaptureError(f"recording the decode graph for {key} failed: {e!r}") from e
         pad = key[0] - n
         g.inputs.copy_(torch.tensor([tokens + [0] * pad, rows + [self.scratch_row] * pad, positions + [0] * pad]))
         g.graph.replay()

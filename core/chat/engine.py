@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .calculator import format_result, use_calculator
+from .cuda_graphs import DecodeGraphs, GraphCaptureError
 from .kv_cache import CacheBatch, KVCache
 from .model import ChatModel
 from .sampler import SamplingParams, row_rng, sample
@@ -121,8 +122,6 @@ class LLMEngine:
         dtype = next(model.parameters()).dtype
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
-            from .cuda_graphs import DecodeGraphs
-
             self.cache = KVCache.for_model(cfg, max_rows + 1, cfg.sequence_len, dtype=dtype, device=self.device)
             self.graphs = DecodeGraphs(model, self.cache, scratch_row=max_rows, max_batch=max_rows)
         else:
@@ -291,9 +290,14 @@ class LLMEngine:
     def _decode(self, decoding: list[tuple[_Request, _Sample]], events: list[TokenEvent]) -> None:
         decoding.sort(key=lambda rs: rs[1].row)
         rows, positions = [s.row for _, s in decoding], [s.position for _, s in decoding]
+        logits = None
         if self.graphs is not None:
-            logits = self.graphs.run([s.pending for _, s in decoding], rows, positions)
-        else:
+            try:
+                logits = self.graphs.run([s.pending for _, s in decoding], rows, positions)
+            except GraphCaptureError:
+                logger.exception("CUDA graphs for decode are off from now on; decoding eagerly")
+                self.graphs = None
+        if logits is None:
             ids = torch.tensor([[s.pending] for _, s in decoding], device=self.device)
             cb = CacheBatch.build(self.cache, rows, positions, 1)
             logits = self.model(ids, cb, last=torch.zeros(len(decoding), dtype=torch.long, device=self.device))

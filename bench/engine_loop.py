@@ -18,12 +18,9 @@ import argparse
 import asyncio
 import time
 
-import torch
-
 from bench.http import WORKLOADS, conversations, pct
-from core.chat import ChatPrompter, LLMEngine, SamplingParams, load_chat_defaults, load_chat_model
-from core.chat.async_engine import AsyncEngine
-from core.chat.engine_process import EngineSpec, ProcessEngine
+from core.chat import ChatPrompter, SamplingParams, load_chat_defaults, load_chat_tokenizer
+from core.chat.engine_process import EngineSpec, start_engine
 
 
 async def closed_loop(engine, prompter, clients, per_client, max_tokens, turns, ignore_eos):
@@ -61,17 +58,11 @@ def main():
     p.add_argument("--device", default="cpu", help="cpu, or cuda (bf16)")
     args = p.parse_args()
     print(f"device {args.device}, front {args.front}")
-    model, tok, cfg = load_chat_model(args.checkpoint, args.device)
+    tok, cfg = load_chat_tokenizer(args.checkpoint)
     prompter = ChatPrompter(tok, cfg.sequence_len, load_chat_defaults(args.checkpoint).fewshot)
-    if args.front == "process":
-        del model                                   # the child loads its own copy
-        engine = ProcessEngine(EngineSpec(args.checkpoint, args.device, 32, args.prefill_chunk, 256, prompter.prefix_ids,
-                                          args.torch_threads))
-    else:
-        if args.torch_threads:
-            torch.set_num_threads(args.torch_threads)
-        engine = AsyncEngine(LLMEngine(model, tok, max_rows=32, prefill_chunk=args.prefill_chunk,
-                                       prefix_ids=prompter.prefix_ids))
+    spec = EngineSpec(args.checkpoint, args.device, 32, args.prefill_chunk, 256, prompter.prefix_ids,
+                      args.torch_threads)
+    engine = start_engine(spec, in_child_process=args.front == "process")
     try:
         asyncio.run(closed_loop(engine, prompter, 2, 1, 8, 0, False))     # warm-up
         print(f"{'workload':10}{'streams':>8}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}")

@@ -14,14 +14,12 @@ import os
 import time
 from typing import AsyncIterator
 
-import torch
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from core.chat import (ChatPrompter, EngineError, EngineFull, LLMEngine, PromptError, SamplingError, SamplingParams,
-                       load_chat_defaults, load_chat_model, load_chat_tokenizer)
-from core.chat.async_engine import AsyncEngine
-from core.chat.engine_process import EngineDied, EngineSpec, ProcessEngine
+from core.chat import (ChatPrompter, EngineError, EngineFull, PromptError, SamplingError, SamplingParams,
+                       load_chat_defaults, load_chat_tokenizer)
+from core.chat.engine_process import EngineDied, EngineSpec, start_engine
 
 from .errors import error
 
@@ -83,24 +81,13 @@ class ChatModel:
         self.defaults = load_chat_defaults(checkpoint)
         self.name = model_name or os.path.basename(os.path.normpath(checkpoint))
         self.metrics = ChatMetrics(self.name)
-        if engine_process:
-            tok, cfg = load_chat_tokenizer(checkpoint)
-            self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot)
-            spec = EngineSpec(checkpoint, device, max_rows, prefill_chunk, max_waiting, self.prompter.prefix_ids,
-                              torch_threads, cuda_graphs)
-            self.engine = ProcessEngine(spec, on_step=self.metrics.engine_step)
-            where = f"{self.engine.info['device']} in engine process {self.engine.pid}"
-        else:
-            if torch_threads:
-                torch.set_num_threads(torch_threads)
-            model, tok, cfg = load_chat_model(checkpoint, device)
-            self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot)
-            engine = LLMEngine(model, tok, max_rows=max_rows, prefill_chunk=prefill_chunk,
-                               prefix_ids=self.prompter.prefix_ids, max_waiting=max_waiting, cuda_graphs=cuda_graphs)
-            self.engine = AsyncEngine(engine, on_step=self.metrics.engine_step)
-            where = f"{engine.device} on an engine thread"
+        tok, cfg = load_chat_tokenizer(checkpoint)
+        self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot)
+        spec = EngineSpec(checkpoint, device, max_rows, prefill_chunk, max_waiting, self.prompter.prefix_ids,
+                          torch_threads, cuda_graphs)
+        self.engine = start_engine(spec, engine_process, on_step=self.metrics.engine_step)
         self.sequence_len = cfg.sequence_len
-        logger.info("chat model %s loaded: %s, %d rows", self.name, where, max_rows)
+        logger.info("chat model %s loaded (%s, %d rows)", self.name, type(self.engine).__name__, max_rows)
 
     def info(self) -> dict:
         return {"id": self.name, "sequence_len": self.sequence_len, "max_n": self.engine.max_rows,

@@ -51,18 +51,28 @@ REQUESTS = [([5, 6, 7, 8], SamplingParams(max_tokens=12, temperature=1.0, seed=1
             ([14] * 30, SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=3))]
 
 
-def test_same_streams_as_the_thread_engine(engine, checkpoint):
-    """Concurrent seeded and greedy requests give the same tokens, text and endings in both fronts."""
-    async def all_of(front):
-        return await asyncio.gather(*(stream_tokens(front, p, params) for p, params in REQUESTS))
+async def all_at_once(front):
+    return await asyncio.gather(*(stream_tokens(front, p, params) for p, params in REQUESTS))
 
-    model, tok, _ = load_chat_model(checkpoint, "cpu")
+
+async def one_by_one(front):
+    return [await stream_tokens(front, p, params) for p, params in REQUESTS]
+
+
+def thread_reference(checkpoint, device, how):
+    """REQUESTS run `how` (all_at_once or one_by_one) through the engine on a thread of this process."""
+    model, tok, _ = load_chat_model(checkpoint, device)
     threaded = AsyncEngine(LLMEngine(model, tok, max_rows=4))
     try:
-        reference = run(all_of(threaded))
+        return run(how(threaded))
     finally:
         threaded.shutdown()
-    got = run(all_of(engine))
+
+
+def test_same_streams_as_the_thread_engine(engine, checkpoint):
+    """Concurrent seeded and greedy requests give the same tokens, text and endings in both fronts."""
+    reference = thread_reference(checkpoint, "cpu", all_at_once)
+    got = run(all_at_once(engine))
     assert got == reference
     assert [len(r) for r in got] == [1, 1, 2, 1] and len(got[0][0]) == 13   # 12 tokens, then the end
 
@@ -213,23 +223,12 @@ def test_cuda_process_engine_matches_thread_engine(checkpoint):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
 
-    async def one_by_one(front):
-        return [await stream_tokens(front, p, params) for p, params in REQUESTS]
-
-    model, tok, _ = load_chat_model(checkpoint, "cuda")
-    threaded = AsyncEngine(LLMEngine(model, tok, max_rows=4))
-    try:
-        reference = run(one_by_one(threaded))
-    finally:
-        threaded.shutdown()
+    reference = thread_reference(checkpoint, "cuda", one_by_one)
     pe = ProcessEngine(EngineSpec(checkpoint, "cuda", max_rows=4))
     try:
         assert pe.info["device"].startswith("cuda")
         assert run(one_by_one(pe)) == reference
-        async def all_at_once():
-            return await asyncio.gather(*(stream_tokens(pe, p, params) for p, params in REQUESTS))
-
-        together = run(all_at_once())
+        together = run(all_at_once(pe))
         assert [sorted(r) for r in together] == [sorted(r) for r in reference]
         assert [[out[-1][2] for out in r.values()] for r in together] == \
             [[out[-1][2] for out in r.values()] for r in reference]

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import threading
 import uuid
+from abc import ABC, abstractmethod
 from typing import AsyncIterator
 
 from .engine import EngineError, EngineStats, LLMEngine, TokenEvent
@@ -29,18 +30,20 @@ def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
         queue.put_nowait(item)
 
 
-class EventRouter:
+class EventRouter(ABC):
     """Per-request queues on the callers' event loops, fed from another thread. Subclasses say how a request
     reaches the engine (`_submit`) and how it is stopped (`_cancel`)."""
 
     def __init__(self) -> None:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
 
+    @abstractmethod
     def _submit(self, prompt: list[int], params: SamplingParams, rid: str) -> None:
-        raise NotImplementedError
+        """Hand the request to the engine (raising if it refuses at once)."""
 
+    @abstractmethod
     def _cancel(self, rid: str) -> None:
-        raise NotImplementedError
+        """Abort the request in the engine; its rows are freed at the next step."""
 
     def _deliver(self, events: list[TokenEvent]) -> None:
         self._route([(ev.request_id, ev) for ev in events])

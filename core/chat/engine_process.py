@@ -29,8 +29,8 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from .async_engine import EventRouter
-from .engine import EngineStats, TokenEvent
+from .async_engine import AsyncEngine, EventRouter
+from .engine import EngineError, EngineFull, EngineStats, LLMEngine, TokenEvent
 from .sampler import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,27 @@ class EngineSpec:
     prefix_ids: list[int] = field(default_factory=list)
     torch_threads: int | None = None
     cuda_graphs: bool = True
+
+    def build(self) -> LLMEngine:
+        """The engine this spec describes, built in the calling process (torch threads set, weights loaded)."""
+        import torch
+
+        from .checkpoint import load_chat_model
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        model, tok, _ = load_chat_model(self.checkpoint, self.device)
+        return LLMEngine(model, tok, max_rows=self.max_rows, prefill_chunk=self.prefill_chunk,
+                         prefix_ids=self.prefix_ids or None, max_waiting=self.max_waiting,
+                         cuda_graphs=self.cuda_graphs)
+
+
+def start_engine(spec: EngineSpec, in_child_process: bool = True, on_step=None) -> EventRouter:
+    """The engine for `spec` behind an asyncio front: in a child process (ProcessEngine), or on a thread of
+    this process (AsyncEngine)."""
+    if in_child_process:
+        return ProcessEngine(spec, on_step=on_step)
+    return AsyncEngine(spec.build(), on_step=on_step)
 
 
 class EngineDied(RuntimeError):
@@ -176,18 +197,10 @@ def serve_engine(conn: Connection) -> None:
     """The child's main loop: build the engine from the spec, then take requests and step until told to stop."""
     import torch
 
-    from .checkpoint import load_chat_model
-    from .engine import EngineError, EngineFull, LLMEngine
-
     kind, spec = conn.recv()
     assert kind == "start", kind
     try:
-        if spec.torch_threads:
-            torch.set_num_threads(spec.torch_threads)
-        model, tok, _ = load_chat_model(spec.checkpoint, spec.device)
-        engine = LLMEngine(model, tok, max_rows=spec.max_rows, prefill_chunk=spec.prefill_chunk,
-                           prefix_ids=spec.prefix_ids or None, max_waiting=spec.max_waiting,
-                           cuda_graphs=spec.cuda_graphs)
+        engine = spec.build()
     except Exception:
         conn.send(("failed", traceback.format_exc()))
         return

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
 
 from .chat import ChatModel
@@ -32,6 +33,8 @@ class AppArgs(BaseModel):
     chat_engine_process: bool = True                # step the model in a child process of the replica
     chat_torch_threads: int | None = None           # torch intra-op threads of the chat model (None: torch's)
     chat_cuda_graphs: bool = True                   # on CUDA, decode passes replay recorded graphs
+    chat_engine_cpu_policy: Literal["normal", "idle"] = "normal"   # "idle": SCHED_IDLE engine, for CPU hosts
+    chat_stream_interval: int = Field(1, ge=1)      # after the first token, tokens per message to the ingress
     decision_max_length: int = 65536
     decision_max_batch_tokens: int = 65536
     decision_graphs: bool = True
@@ -60,7 +63,7 @@ def wire(a: AppArgs, options: dict[str, dict] | None = None) -> Application:
     chat = ChatModel.options(**options.get("ChatModel", {})).bind(
         os.path.abspath(a.chat_checkpoint), a.device, a.chat_model_name, a.chat_max_rows, a.chat_prefill_chunk,
         a.chat_max_waiting, a.chat_engine_process, a.chat_torch_threads,
-        a.chat_cuda_graphs)
+        a.chat_cuda_graphs, a.chat_engine_cpu_policy, a.chat_stream_interval)
     decision = DecisionModel.options(**options.get("DecisionModel", {})).bind(
         os.path.abspath(a.decision_checkpoint), a.device, a.decision_model_name, a.decision_max_length,
         a.decision_max_batch_tokens, a.decision_graphs)

@@ -74,17 +74,24 @@ def sampling_params(p: dict, defaults) -> SamplingParams:
 class ChatModel:
     def __init__(self, checkpoint: str, device: str | None = None, model_name: str | None = None,
                  max_rows: int = 32, prefill_chunk: int = 512, max_waiting: int = 256, engine_process: bool = True,
-                 torch_threads: int | None = None, cuda_graphs: bool = True):
+                 torch_threads: int | None = None, cuda_graphs: bool = True, engine_cpu_policy: str = "normal",
+                 stream_interval: int = 1):
         """engine_process: step the model in a child process (the default; see core/chat/engine_process.py)
         rather than on a thread of the replica. torch_threads: torch's intra-op threads for the model.
-        cuda_graphs: on CUDA, replay recorded graphs for decode passes (core/chat/cuda_graphs.py)."""
+        cuda_graphs: on CUDA, replay recorded graphs for decode passes (core/chat/cuda_graphs.py).
+        engine_cpu_policy: "idle" runs the engine process under SCHED_IDLE, for CPU hosts (set_cpu_policy).
+        stream_interval: after a stream's first token, send its tokens to the ingress in messages of at least
+        this many (1: every engine step's tokens at once); the end of a stream is never held back."""
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, not {stream_interval}")
+        self.stream_interval = stream_interval
         self.defaults = load_chat_defaults(checkpoint)
         self.name = model_name or os.path.basename(os.path.normpath(checkpoint))
         self.metrics = ChatMetrics(self.name)
         tok, cfg = load_chat_tokenizer(checkpoint)
         self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot)
         spec = EngineSpec(checkpoint, device, max_rows, prefill_chunk, max_waiting, self.prompter.prefix_ids,
-                          torch_threads, cuda_graphs)
+                          torch_threads, cuda_graphs, engine_cpu_policy)
         self.engine = start_engine(spec, engine_process, on_step=self.metrics.engine_step)
         self.sequence_len = cfg.sequence_len
         logger.info("chat model %s loaded (%s, %d rows)", self.name, type(self.engine).__name__, max_rows)
@@ -123,10 +130,12 @@ class ChatModel:
             return
         self.metrics.prompted.inc(len(prompt.ids))
         last: dict[int, float] = {}
+        out: list[dict] = []            # events not yet sent
+        held = 0                        # tokens among them
+        sent_first = False
         try:
             while True:
                 now = time.monotonic()
-                out = []
                 tokens = 0
                 for ev in batch:
                     if ev.token is not None:
@@ -144,9 +153,14 @@ class ChatModel:
                                 "prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens})
                 if tokens:
                     self.metrics.generated.inc(tokens)
-                yield out
+                held += tokens
+                if out and (not sent_first or held >= self.stream_interval or out[-1]["finish_reason"]):
+                    yield out
+                    out, held, sent_first = [], 0, sent_first or held > 0
                 batch = await stream.__anext__()
         except StopAsyncIteration:
+            if out:
+                yield out
             self.metrics.e2e.observe(time.monotonic() - arrival)
         except EngineDied:
             yield [error("the chat engine stopped while generating; retry the request", "server_error")]

@@ -12,7 +12,7 @@ import pytest
 
 from core.chat import EngineError, EngineFull, LLMEngine, SamplingParams, load_chat_model, save_chat_model
 from core.chat.async_engine import AsyncEngine
-from core.chat.engine_process import EngineDied, EngineSpec, ProcessEngine
+from core.chat.engine_process import EngineDied, EngineSpec, ProcessEngine, start_engine
 from tests.conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,6 +212,52 @@ def test_chat_deployment_same_events_with_either_front(checkpoint):
     assert sum(1 for ev in streamed if ev["token"] is not None) == 20
     assert [ev["finish_reason"] for ev in streamed if ev["finish_reason"]] == ["length", "length"]
     assert refused[0]["error"]["type"] == "invalid_request_error" and "n=9" in refused[0]["error"]["message"]
+
+
+def test_stream_interval_groups_tokens_after_the_first(checkpoint):
+    """stream_interval=4: the first message carries the first tokens alone, later ones at least 4 tokens except
+    the last; the events, put end to end, are those of stream_interval=1."""
+    from deployments.chat import ChatModel
+
+    request = {"messages": [{"role": "user", "content": "hello how are you"}],
+               "params": {"max_tokens": 11, "temperature": 1.0, "seed": 5, "n": 2}}
+
+    async def messages(model):
+        return [batch async for batch in model.generate(request)]
+
+    got = {}
+    for interval in (1, 4):
+        model = ChatModel.func_or_class(checkpoint, "cpu", max_rows=4, stream_interval=interval)
+        try:
+            got[interval] = run(messages(model))
+        finally:
+            model.engine.shutdown()
+    assert [ev for m in got[4] for ev in m] == [ev for m in got[1] for ev in m]
+    tokens = [sum(ev["token"] is not None for ev in m) for m in got[4]]
+    assert tokens[0] == 2 and all(t >= 4 for t in tokens[1:-1]) and sum(tokens) == 22, tokens
+    assert len(got[4]) < len(got[1])
+    with pytest.raises(ValueError, match="stream_interval"):
+        ChatModel.func_or_class(checkpoint, "cpu", stream_interval=0)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_idle_cpu_policy(checkpoint):
+    """cpu_policy="idle": every thread of the engine process runs under SCHED_IDLE, and the streams are the
+    same as on a thread of this process. A policy needs the child process; an unknown one is refused."""
+    reference = thread_reference(checkpoint, "cpu", one_by_one)
+    pe = ProcessEngine(EngineSpec(checkpoint, "cpu", max_rows=4, torch_threads=1, cpu_policy="idle"))
+    try:
+        assert pe.info["cpu_policy"] == "idle"
+        threads = os.listdir(f"/proc/{pe.pid}/task")
+        assert threads and all(os.sched_getscheduler(int(t)) == os.SCHED_IDLE for t in threads)
+        assert run(one_by_one(pe)) == reference
+    finally:
+        pe.shutdown()
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE           # this process is untouched
+    with pytest.raises(ValueError, match="own process"):
+        start_engine(EngineSpec(checkpoint, "cpu", cpu_policy="idle"), in_child_process=False)
+    with pytest.raises(ValueError, match="cpu_policy"):
+        EngineSpec(checkpoint, "cpu", cpu_policy="realtime")
 
 
 @pytest.mark.gpu

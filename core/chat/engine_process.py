@@ -36,6 +36,7 @@ from .sampler import SamplingParams
 logger = logging.getLogger(__name__)
 
 STATS_PERIOD_S = 0.5
+CPU_POLICIES = {"normal", "idle"}              # for the engine process: see set_cpu_policy
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # holds the `core` package
 
 
@@ -51,6 +52,11 @@ class EngineSpec:
     prefix_ids: list[int] = field(default_factory=list)
     torch_threads: int | None = None
     cuda_graphs: bool = True
+    cpu_policy: str = "normal"      # "idle": the child runs under SCHED_IDLE (see set_cpu_policy)
+
+    def __post_init__(self):
+        if self.cpu_policy not in CPU_POLICIES:
+            raise ValueError(f"cpu_policy must be one of {sorted(CPU_POLICIES)}, not {self.cpu_policy!r}")
 
     def build(self) -> LLMEngine:
         """The engine this spec describes, built in the calling process (torch threads set, weights loaded)."""
@@ -66,11 +72,37 @@ class EngineSpec:
                          cuda_graphs=self.cuda_graphs)
 
 
+def set_cpu_policy(policy: str) -> str:
+    """Lower this process's claim on the CPU; -> the policy in force.
+
+    "idle" puts every thread of the process under Linux's SCHED_IDLE (threads started later inherit it): the
+    engine then gets a core only when no thread of normal priority wants it, and gives it up as soon as one
+    wakes. On a CPU host where the engine shares a few cores with the serving processes, this lets the event
+    loops that relay streams, HAProxy and the router run the moment their socket is ready instead of queueing
+    behind a decode pass (README, Benchmarks: run-queue waits and time to first token). Without SCHED_IDLE
+    (not Linux) it falls back to nice 19. Not for GPU hosts: there the engine's CPU time launches kernels."""
+    if policy == "normal":
+        return "normal"
+    if not hasattr(os, "SCHED_IDLE"):
+        os.nice(19)
+        return "nice 19"
+    param = os.sched_param(0)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(tid), os.SCHED_IDLE, param)
+        except ProcessLookupError:                  # a thread that ended meanwhile
+            pass
+    return "idle"
+
+
 def start_engine(spec: EngineSpec, in_child_process: bool = True, on_step=None) -> EventRouter:
     """The engine for `spec` behind an asyncio front: in a child process (ProcessEngine), or on a thread of
     this process (AsyncEngine)."""
     if in_child_process:
         return ProcessEngine(spec, on_step=on_step)
+    if spec.cpu_policy != "normal":
+        raise ValueError("an engine CPU policy other than 'normal' needs the engine in its own process "
+                         "(engine_process=True): on a thread it would also slow the replica's event loop")
     return AsyncEngine(spec.build(), on_step=on_step)
 
 
@@ -200,11 +232,13 @@ def serve_engine(conn: Connection) -> None:
     kind, spec = conn.recv()
     assert kind == "start", kind
     try:
+        policy = set_cpu_policy(spec.cpu_policy)    # before the build, so torch's threads inherit it
         engine = spec.build()
     except Exception:
         conn.send(("failed", traceback.format_exc()))
         return
-    conn.send(("ready", {"device": str(engine.device), "pid": os.getpid(), "torch_threads": torch.get_num_threads()}))
+    conn.send(("ready", {"device": str(engine.device), "pid": os.getpid(), "torch_threads": torch.get_num_threads(),
+                         "cpu_policy": policy}))
 
     def emit(events: list[TokenEvent]) -> None:
         conn.send(("events", events))

@@ -80,8 +80,9 @@ class ChatModel:
         rather than on a thread of the replica. torch_threads: torch's intra-op threads for the model.
         cuda_graphs: on CUDA, replay recorded graphs for decode passes (core/chat/cuda_graphs.py).
         engine_cpu_policy: "idle" runs the engine process under SCHED_IDLE, for CPU hosts (set_cpu_policy).
-        stream_interval: after a stream's first token, send its tokens to the ingress in messages of at least
-        this many (1: every engine step's tokens at once); the end of a stream is never held back."""
+        stream_interval: once a stream has shown output (text, or a closed calculator part), send its tokens to
+        the ingress in messages of at least this many (1: every engine step's tokens at once); everything up to
+        the first output, and the end of a stream, is never held back."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, not {stream_interval}")
         self.stream_interval = stream_interval
@@ -132,7 +133,7 @@ class ChatModel:
         last: dict[int, float] = {}
         out: list[dict] = []            # events not yet sent
         held = 0                        # tokens among them
-        sent_first = False
+        shown = False                   # output the client can see (text, or a closed calculator part) was sent
         try:
             while True:
                 now = time.monotonic()
@@ -154,9 +155,10 @@ class ChatModel:
                 if tokens:
                     self.metrics.generated.inc(tokens)
                 held += tokens
-                if out and (not sent_first or held >= self.stream_interval or out[-1]["finish_reason"]):
-                    yield out
-                    out, held, sent_first = [], 0, sent_first or held > 0
+                if out and (not shown or held >= self.stream_interval or out[-1]["finish_reason"]):
+                    yield out       # until the client has seen output, every step's events go at once
+                    shown = shown or any(e["closes"] or (e["text"] and e["segment"] == "text") for e in out)
+                    out, held = [], 0
                 batch = await stream.__anext__()
         except StopAsyncIteration:
             if out:

@@ -215,8 +215,8 @@ def test_chat_deployment_same_events_with_either_front(checkpoint):
 
 
 def test_stream_interval_groups_tokens_after_the_first(checkpoint):
-    """stream_interval=4: the first message carries the first tokens alone, later ones at least 4 tokens except
-    the last; the events, put end to end, are those of stream_interval=1."""
+    """stream_interval=4: each step's events go at once until a message has shown text, later messages carry at
+    least 4 tokens except the last; the events, put end to end, are those of stream_interval=1."""
     from deployments.chat import ChatModel
 
     request = {"messages": [{"role": "user", "content": "hello how are you"}],
@@ -234,7 +234,9 @@ def test_stream_interval_groups_tokens_after_the_first(checkpoint):
             model.engine.shutdown()
     assert [ev for m in got[4] for ev in m] == [ev for m in got[1] for ev in m]
     tokens = [sum(ev["token"] is not None for ev in m) for m in got[4]]
-    assert tokens[0] == 2 and all(t >= 4 for t in tokens[1:-1]) and sum(tokens) == 22, tokens
+    shown = next(i for i, m in enumerate(got[4]) if any(ev["text"] and ev["segment"] == "text" for ev in m))
+    assert all(t <= 2 for t in tokens[:shown + 1]), tokens                  # one step (n=2) per message
+    assert all(t >= 4 for t in tokens[shown + 1:-1]) and sum(tokens) == 22, tokens
     assert len(got[4]) < len(got[1])
     with pytest.raises(ValueError, match="stream_interval"):
         ChatModel.func_or_class(checkpoint, "cpu", stream_interval=0)

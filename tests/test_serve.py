@@ -47,7 +47,7 @@ def service(tmp_path_factory, tokenizer):
                "Ingress": dict(small, max_ongoing_requests=256)}
     args = dict(chat_checkpoint=str(root / "chat"), decision_checkpoint=str(root / "decision"), device="cpu",
                 chat_max_rows=MAX_ROWS, chat_max_waiting=16, max_body_bytes=20_000, max_messages=16,
-                max_message_chars=2000)
+                max_message_chars=2000, chat_stream_interval=3)   # tokens grouped after the first text
     serve.run(wire(AppArgs(**args), options), name="open", route_prefix="/")
     keyed = dict(args, api_keys=["sekrit"], chat_max_rows=2)
     serve.run(wire(AppArgs(**keyed), options), name="keyed", route_prefix="/keyed")

@@ -1,8 +1,11 @@
 """Decision benchmark: 64 requests of 3 questions through decide_batch vs a loop of decide.
 
     python -m bench.decision [--json out.json] [--hidden 64] [--max-batch-tokens 4096] [--layers 4]
+                             [--device cpu|cuda] [--dtype fp32|bf16]
 
-A small Qwen3.5 hybrid model (Gated DeltaNet + full attention) with random weights on this CPU, fp32.
+A Qwen3.5 hybrid model (Gated DeltaNet + full attention) with random weights, small by default (fp32 on this
+CPU). On CUDA the loop of `decide` replays CUDA graphs and `decide_batch` runs eager batched passes; the
+fast kernels are flash-linear-attention's (the `gpu` extra), STARTLUX_ALLOW_SLOW=1 without causal-conv1d.
 """
 from __future__ import annotations
 
@@ -40,18 +43,22 @@ def main():
     p.add_argument("--json")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-batch-tokens", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     args = p.parse_args()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     rng = random.Random(0)
     texts = [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(2000)]
     tok = train_decision_tokenizer(texts, 2048)
-    cfg = hybrid_text_config(len(tok), hidden=args.hidden, layers=args.layers, heads=4,
+    cfg = hybrid_text_config(len(tok), hidden=args.hidden, layers=args.layers, heads=args.heads,
                              pad_token_id=tok.pad_token_id)
     with tempfile.TemporaryDirectory() as d:
         save_decision_checkpoint(d, new_hybrid_model(cfg), tok)
-        scorer = StartLuxDecision(d, device="cpu", max_batch_tokens=args.max_batch_tokens)
+        scorer = StartLuxDecision(d, device=args.device, max_batch_tokens=args.max_batch_tokens, dtype=dtype)
         reqs = make_requests(args.requests)
         scorer.decide_batch(reqs[:4])           # warm-up
         scorer.decide(*reqs[0])
@@ -65,8 +72,11 @@ def main():
                 scorer.decide(state, qs)
             looped = min(looped, time.perf_counter() - t0)
     n_q = 3 * len(reqs)
-    result = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-              "model": f"qwen3_5 hybrid {args.layers} layers x {args.hidden} (3 linear : 1 full), fp32 CPU",
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
+        f"{platform.machine()} {torch.get_num_threads()} threads"
+    result = {"machine": f"{device}, torch {torch.__version__}",
+              "model": f"qwen3_5 hybrid {args.layers} layers x {args.hidden}, {args.heads} heads "
+                       f"(3 linear : 1 full), {args.dtype} {args.device}",
               "questions": n_q, "max_batch_tokens": args.max_batch_tokens, "decide_batch_qps": n_q / batched, "decide_loop_qps": n_q / looped,
               "speedup": looped / batched}
     print(f"{'':22}{'questions/s':>12}{'seconds':>10}")

@@ -77,8 +77,8 @@ def main():
     result = {"machine": f"{device}, torch {torch.__version__}",
               "model": f"qwen3_5 hybrid {args.layers} layers x {args.hidden}, {args.heads} heads "
                        f"(3 linear : 1 full), {args.dtype} {args.device}",
-              "questions": n_q, "max_batch_tokens": args.max_batch_tokens, "decide_batch_qps": n_q / batched, "decide_loop_qps": n_q / looped,
-              "speedup": looped / batched}
+              "questions": n_q, "max_batch_tokens": args.max_batch_tokens, "decide_batch_qps": n_q / batched,
+              "decide_loop_qps": n_q / looped, "speedup": looped / batched}
     print(f"{'':22}{'questions/s':>12}{'seconds':>10}")
     print(f"{'decide_batch':22}{result['decide_batch_qps']:12.1f}{batched:10.2f}")
     print(f"{'loop of decide':22}{result['decide_loop_qps']:12.1f}{looped:10.2f}")

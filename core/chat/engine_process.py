@@ -80,18 +80,23 @@ def set_cpu_policy(policy: str) -> str:
     wakes. On a CPU host where the engine shares a few cores with the serving processes, this lets the event
     loops that relay streams, HAProxy and the router run the moment their socket is ready instead of queueing
     behind a decode pass (README, Benchmarks: run-queue waits and time to first token). Without SCHED_IDLE
-    (not Linux) it falls back to nice 19. Not for GPU hosts: there the engine's CPU time launches kernels."""
+    (not Linux) it falls back to nice 19; if the system refuses, the engine keeps the usual policy and says so
+    in its log. Not for GPU hosts: there the engine's CPU time launches kernels."""
     if policy == "normal":
         return "normal"
-    if not hasattr(os, "SCHED_IDLE"):
-        os.nice(19)
-        return "nice 19"
-    param = os.sched_param(0)
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setscheduler(int(tid), os.SCHED_IDLE, param)
-        except ProcessLookupError:                  # a thread that ended meanwhile
-            pass
+    try:
+        if not hasattr(os, "SCHED_IDLE"):
+            os.nice(19)
+            return "nice 19"
+        param = os.sched_param(0)
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setscheduler(int(tid), os.SCHED_IDLE, param)
+            except ProcessLookupError:              # a thread that ended meanwhile
+                pass
+    except OSError as e:                            # e.g. a sandbox that forbids it: serve anyway
+        logger.warning("could not lower the engine's CPU priority (%s); it keeps the usual policy", e)
+        return f"normal ({policy} refused: {e})"
     return "idle"
 
 

@@ -95,7 +95,8 @@ class ChatModel:
                           torch_threads, cuda_graphs, engine_cpu_policy)
         self.engine = start_engine(spec, engine_process, on_step=self.metrics.engine_step)
         self.sequence_len = cfg.sequence_len
-        logger.info("chat model %s loaded (%s, %d rows)", self.name, type(self.engine).__name__, max_rows)
+        logger.info("chat model %s loaded (%s, %d rows, %s)", self.name, type(self.engine).__name__, max_rows,
+                    getattr(self.engine, "info", {}))
 
     def info(self) -> dict:
         return {"id": self.name, "sequence_len": self.sequence_len, "max_n": self.engine.max_rows,

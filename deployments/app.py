@@ -34,7 +34,7 @@ class AppArgs(BaseModel):
     chat_torch_threads: int | None = None           # torch intra-op threads of the chat model (None: torch's)
     chat_cuda_graphs: bool = True                   # on CUDA, decode passes replay recorded graphs
     chat_engine_cpu_policy: Literal["normal", "idle"] = "normal"   # "idle": SCHED_IDLE engine, for CPU hosts
-    chat_stream_interval: int = Field(1, ge=1)      # after the first token, tokens per message to the ingress
+    chat_stream_interval: int = Field(1, ge=1)      # after a stream's first text, tokens per message to the ingress
     decision_max_length: int = 65536
     decision_max_batch_tokens: int = 65536
     decision_graphs: bool = True

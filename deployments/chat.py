@@ -114,7 +114,8 @@ class ChatModel:
     async def generate(self, request: dict) -> AsyncIterator[list[dict]]:
         """request: {"messages": [...], "params": {...}} -> lists of events, each {"index", "text", "segment",
         "token", "forced", "closes", "finish_reason", "prompt_tokens", "completion_tokens"}: every event ready at
-        that moment travels in one message. A bad request yields one [{"error": ...}] instead."""
+        that moment travels in one message (once text has gone out, held until `stream_interval` tokens have
+        gathered or a sample ends). A bad request yields one [{"error": ...}] instead."""
         arrival = time.monotonic()
         try:
             params = sampling_params(request.get("params", {}), self.defaults)
@@ -166,7 +167,7 @@ class ChatModel:
                 yield out
             self.metrics.e2e.observe(time.monotonic() - arrival)
         except EngineDied:
-            yield [error("the chat engine stopped while generating; retry the request", "server_error")]
+            yield out + [error("the chat engine stopped while generating; retry the request", "server_error")]
         finally:
             await stream.aclose()
 

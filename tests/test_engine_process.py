@@ -245,7 +245,7 @@ def test_stream_interval_groups_tokens_after_the_first(checkpoint):
 def test_stream_interval_partition(checkpoint):
     """The grouping itself, with a scripted engine (one step per batch): steps without visible text go at once,
     the step with the first text too; then groups of 3 tokens, a calculator part closing inside a group does
-    not flush it, and the end goes at once with whatever is held."""
+    not flush it, and the end goes at once with whatever is held; so does an engine that dies."""
     from core.chat.engine import TokenEvent
     from deployments.chat import ChatModel
 
@@ -257,10 +257,13 @@ def test_stream_interval_partition(checkpoint):
 
     class Scripted:
         max_rows = 4
+        dies = False
 
         async def generate(self, prompt, params):
             for step in steps:
                 yield step
+            if self.dies:
+                raise EngineDied("gone")
 
         def shutdown(self):
             pass
@@ -270,10 +273,13 @@ def test_stream_interval_partition(checkpoint):
     model.engine = Scripted()
 
     async def messages():
-        return [[e["token"] for e in batch] async for batch in model.generate({"messages": [
+        return [[e.get("token", "error") for e in batch] async for batch in model.generate({"messages": [
             {"role": "user", "content": "hi"}]})]
 
     assert run(messages()) == [[1], [2], [3], [4, 5, 6], [7, 8, 9], [10, None]]
+    # the engine dies with tokens held: they go out before the error
+    steps, model.engine.dies = steps[:5], True
+    assert run(messages()) == [[1], [2], [3], [4, 5, "error"]]
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")

@@ -31,14 +31,8 @@ CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTE
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: CacheBatch | None) -> torch.Tensor:
-    """q (B, H, T, D), k/v (B, Hkv, T, D) -> (B, H, T, D); causal, through the cache when given."""
-    if q.is_cuda:
-        with sdpa_kernel(CUDA_ATTENTION_BACKENDS):
-            return _attend(q, k, v, layer, cache)
-    return _attend(q, k, v, layer, cache)
-
-
-def _attend(q, k, v, layer, cache):
+    """q (B, H, T, D), k/v (B, Hkv, T, D) -> (B, H, T, D); causal, through the cache when given. (On CUDA,
+    `ChatModel.forward` has chosen the attention backends for the whole pass.)"""
     gqa = q.size(1) != k.size(1)
     if cache is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -63,6 +57,12 @@ class ChatModel(nn.Module):
     def forward(self, ids: torch.Tensor, cache: CacheBatch | None = None,
                 last: torch.Tensor | None = None) -> torch.Tensor:
         """ids (B, T) -> logits (B, T, V) in fp32; with `last` (B,) index per row, only those positions: (B, V)."""
+        if ids.is_cuda:                     # once per pass, not per layer: entering the context costs ~12 us
+            with sdpa_kernel(CUDA_ATTENTION_BACKENDS):
+                return self._forward(ids, cache, last)
+        return self._forward(ids, cache, last)
+
+    def _forward(self, ids: torch.Tensor, cache: CacheBatch | None, last: torch.Tensor | None) -> torch.Tensor:
         x = self.hidden(ids, cache)
         if last is not None:
             x = x[torch.arange(x.size(0), device=x.device), last]

@@ -80,7 +80,7 @@ class LocalCluster:
         env = dict(os.environ)
         env.pop("RAY_ADDRESS", None)
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token)
-        env.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")   # the request path production runs (README)
+        env.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")   # the request path production runs (docs/configuration.md)
         # HAProxy stays off here: every "node" of this cluster shares one host, and each node's HAProxy would
         # bind the same ports (8000, 8404, 9101); Serve's proxy on the head answers instead.
         # notice a lost node within seconds (Ray's defaults are tuned for flaky cloud networks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import random
 
-# The request path production runs (README): set before anything imports Ray, whose Serve constants are read
+# The request path production runs (docs/configuration.md): set before anything imports Ray, whose Serve constants are read
 # once at import, so the in-process Serve of the tests and every Ray worker it starts agree.
 os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
 

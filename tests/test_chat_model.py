@@ -114,7 +114,7 @@ def test_cuda_bf16_cache_decode_tracks_fp32(arch, tokenizer):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["nanochat", "gpt2"])
 def test_cuda_attention_avoids_cudnn(arch, tokenizer):
-    """Decoding on CUDA never runs cuDNN's attention (it plans anew for every key length: README, chat core);
+    """Decoding on CUDA never runs cuDNN's attention (it plans anew for every key length: docs/architecture.md);
     prefill and decode still run through the other SDPA kernels."""
     from torch.profiler import ProfilerActivity, profile
 

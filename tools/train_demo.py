@@ -8,7 +8,7 @@ conversations (greetings, capitals of 50 countries, arithmetic through the calcu
 the loss on the assistant's own tokens only (not the user's, not the calculator's forced output).
 decision: a `tokenizers` BPE and a small Qwen3.5 hybrid (three Gated DeltaNet and three full-attention
 layers) trained on generated jevfmt questions, with the loss on the answer letter plus a next-token loss on
-the prompt, in the phases of DECISION_PHASES (README, The demo models). Weights are saved in bf16.
+the prompt, in the phases of DECISION_PHASES (docs/demo-models.md). Weights are saved in bf16.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """CUDA graphs for the engine's decode pass.
 
 A decode step of a small model is a few hundred kernel launches that keep the GPU busy for a fraction of
-the step (README: about 0.4 ms of a 3.5 ms step on an H200 for the 4-layer benchmark model); replaying a
+the step (bench/README.md has the H200 profile); replaying a
 recorded graph launches them all at once. Shapes must be static, so a graph is recorded per (batch bucket,
 key-length bucket) on first use: the batch is padded with a scratch cache row that no request owns (its
 writes land there), and attention reads the bucket's keys under the usual mask, so padding never reaches a

@@ -2,8 +2,8 @@
 
 In one process, the engine thread and the serving event loop take turns on one GIL: a forward pass of a
 small model is mostly Python and operator dispatch, every operator hands the GIL over, and the loop's
-streaming work then delays the step (and the step delays the loop). Measured on the 2-core benchmark
-machine, that made the chat replica the bottleneck of the service (README, Benchmarks). `ProcessEngine`
+streaming work then delays the step (and the step delays the loop); on a small CPU host that makes the
+chat replica the service's bottleneck (bench/README.md). `ProcessEngine`
 runs `LLMEngine` in a child process of its own, as vLLM's engine core does, and talks to it over a private
 socket pair:
 
@@ -79,7 +79,7 @@ def set_cpu_policy(policy: str) -> str:
     engine then gets a core only when no thread of normal priority wants it, and gives it up as soon as one
     wakes. On a CPU host where the engine shares a few cores with the serving processes, this lets the event
     loops that relay streams, HAProxy and the router run the moment their socket is ready instead of queueing
-    behind a decode pass (README, Benchmarks: run-queue waits and time to first token). Without SCHED_IDLE
+    behind a decode pass (bench/README.md: run-queue waits and time to first token). Without SCHED_IDLE
     (not Linux) it falls back to nice 19; if the system refuses, the engine keeps the usual policy and says so
     in its log. Not for GPU hosts: there the engine's CPU time launches kernels."""
     if policy == "normal":

@@ -24,9 +24,9 @@ def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.size(-1),), eps=eps).type_as(x)
 
 
-# On CUDA, attention never goes to cuDNN's kernel: cuDNN builds an execution plan for every new shape, which
-# took about 10 ms of CPU per call on an H200 (2026-11-30), and decoding grows the key length by one every
-# step, so every step built new plans (a 47 ms engine step around 3 ms of GPU work).
+# On CUDA, attention never goes to cuDNN's kernel: cuDNN builds an execution plan for every new shape, and
+# decoding grows the key length by one every step, so every step would build new plans (bench/README.md
+# has the profile).
 CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

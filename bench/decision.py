@@ -31,9 +31,9 @@ def make_requests(n: int, seed: int = 0):
     for _ in range(n):
         state = " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 60)))
         reqs.append((state, {
-            "color": {"question": "which color", "criteria": {"r": "red", "g": "green", "b": "blue"}},
-            "cat": {"type": "noul", "question": "is there a cat"},
-            "many": {"type": "score", "question": "how many animals", "criteria": ["none", "one", "several"]},
+            "color": {"instructions": "which color", "criteria": {"r": "red", "g": "green", "b": "blue"}},
+            "cat": {"type": "noul", "instructions": "is there a cat"},
+            "many": {"type": "score", "instructions": "how many animals", "criteria": ["none", "one", "several"]},
         }))
     return reqs
 

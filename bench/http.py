@@ -111,9 +111,9 @@ async def chat_load(url, clients, max_tokens, per_client=4, turns=0, ignore_eos=
 
 async def decision_load(url, clients, per_client):
     body = {"state": "the cat is red and the dog is blue",
-            "questions": {"color": {"question": "which color is the cat", "criteria": {"r": "red", "b": "blue"}},
-                          "cat": {"type": "noul", "question": "is there a cat"},
-                          "size": {"type": "score", "question": "how big", "criteria": ["small", "medium", "big"]}}}
+            "questions": {"color": {"instructions": "which color is the cat", "criteria": {"r": "red", "b": "blue"}},
+                          "cat": {"type": "noul", "instructions": "is there a cat"},
+                          "size": {"type": "score", "instructions": "how big", "criteria": ["small", "medium", "big"]}}}
     latencies = []
 
     async def worker(client):

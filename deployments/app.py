@@ -26,6 +26,7 @@ class AppArgs(BaseModel):
     chat_model_name: str | None = None              # default: the checkpoint directory's name
     decision_checkpoint: str = str(DEMO_MODELS / "demo-decision")
     decision_model_name: str = "startlux-decision"
+    decision_model_aliases: list[str] = []          # other names clients may send as `model` (e.g. "jev-latest")
     device: str | None = None                       # "cuda", "cpu", or None for CUDA when present
     chat_max_rows: int = 32                         # concurrent sequences per chat replica (KV-cache rows)
     chat_prefill_chunk: int = 512
@@ -66,7 +67,7 @@ def wire(a: AppArgs, options: dict[str, dict] | None = None) -> Application:
         a.chat_cuda_graphs, a.chat_engine_cpu_policy, a.chat_stream_interval)
     decision = DecisionModel.options(**options.get("DecisionModel", {})).bind(
         os.path.abspath(a.decision_checkpoint), a.device, a.decision_model_name, a.decision_max_length,
-        a.decision_max_batch_tokens, a.decision_graphs)
+        a.decision_max_batch_tokens, a.decision_graphs, tuple(a.decision_model_aliases))
     return Ingress.options(**options.get("Ingress", {})).bind(
         chat, decision, keys, a.max_body_bytes, a.max_messages, a.max_message_chars, a.max_n, a.max_questions,
         a.retry_timeout_s)

@@ -32,10 +32,11 @@ def validation_error(e: DecisionValidationError) -> dict:
 @serve.deployment(name="DecisionModel")
 class DecisionModel:
     def __init__(self, checkpoint: str, device: str | None = None, model_name: str = "startlux-decision",
-                 max_length: int = 65536, max_batch_tokens: int = 65536, graphs: bool = True):
+                 max_length: int = 65536, max_batch_tokens: int = 65536, graphs: bool = True,
+                 model_aliases: tuple[str, ...] = ()):
         self.scorer = StartLuxDecision(checkpoint, device=device, max_length=max_length,
                                        max_batch_tokens=max_batch_tokens, graphs=graphs)
-        self.name = model_name
+        self.name, self.aliases = model_name, list(model_aliases)
         self.batch_sizes: Tally = Tally()
         self.batch_size_metric = Histogram("decision_batch_size", "Requests per decision batch.",
                                            [1, 2, 4, 8, 16, 32, 64, 128], tag_keys=("model",))
@@ -49,14 +50,14 @@ class DecisionModel:
         self._batched.set_batch_wait_timeout_s(float(user_config.get("batch_wait_timeout_s", 0.01)))
 
     def info(self) -> dict:
-        return {"id": self.name, "max_length": self.scorer.max_length}
+        return {"id": self.name, "aliases": self.aliases, "max_length": self.scorer.max_length}
 
     def stats(self) -> dict:
         return {"batches": sum(self.batch_sizes.values()), "largest_batch": max(self.batch_sizes, default=0),
                 "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())}}
 
     async def decide(self, request: dict) -> dict:
-        """{"state", "questions"} -> {"answers", "usage"} or {"error": ...}."""
+        """{"state", "questions"} -> {"model", "answers", "usage"} or {"error": ...}."""
         return await self._batched(request)
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
@@ -83,5 +84,5 @@ class DecisionModel:
             else:
                 answers, usage = res
                 self.questions_metric.inc(len(answers))
-                out.append({"answers": answers, "usage": usage})
+                out.append({"model": self.name, "answers": answers, "usage": usage})
         return out

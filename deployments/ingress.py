@@ -158,7 +158,9 @@ class Ingress:
         chat, decision = await asyncio.gather(self.chat_info(), self.decision_info())
         return {"object": "list", "data": [
             {"id": chat["id"], "object": "model", "owned_by": "startlux-serve", "kind": "chat"},
-            {"id": decision["id"], "object": "model", "owned_by": "startlux-serve", "kind": "decision"}]}
+            {"id": decision["id"], "object": "model", "owned_by": "startlux-serve", "kind": "decision"},
+            *({"id": alias, "object": "model", "owned_by": "startlux-serve", "kind": "decision",
+               "alias_of": decision["id"]} for alias in decision["aliases"])]}
 
     @app.get("/debug/stats")
     async def stats(self, request: Request):
@@ -182,9 +184,15 @@ class Ingress:
         req = await self._parse(request, DecisionRequest)
         if len(req.questions) > self.max_questions:
             raise APIError(error(f"at most {self.max_questions} questions per request", param="questions"))
-        if req.model is not None and req.model != (await self.decision_info())["id"]:
-            raise APIError(error(f"unknown model {req.model!r}", "not_found_error", "model", "model_not_found"))
-        payload = {"state": req.state, "questions": {k: q.model_dump() for k, q in req.questions.items()}}
+        info = await self.decision_info()
+        if req.model is not None and req.model != info["id"] and req.model not in info["aliases"]:
+            raise APIError(error(f"unknown model {req.model!r}; this service decides with {info['id']!r}",
+                                 "not_found_error", "model", "model_not_found"))
+        if req.assets:
+            raise APIError(error("`assets` (images for placeholders) are not supported by this decision model; "
+                                 "send the request without them", param="assets", code="unsupported_parameter"))
+        payload = {"state": req.state,
+                   "questions": {k: q.model_dump(exclude_unset=True) for k, q in req.questions.items()}}
         result = await self._retrying(lambda: self.decision.decide.remote(payload), "decision")
         if "error" in result:
             raise APIError(result)

@@ -10,6 +10,7 @@ from core.decision import DecisionValidationError, StartLuxDecision, jevfmt as J
 from core.decision.kernels import _chosen_implementation, linear_attention_kernels
 from core.decision.scorer import fill_static, graph_shapes, padded_length, pick_graph
 from tests.decision_fixtures import build_checkpoint
+from tests.systemone_requests import REQUESTS, check_answers
 
 TEMPS = {"choice": 1.0, "noul": 2.0, "score": 0.5}
 
@@ -169,14 +170,17 @@ def test_validation_names_every_bad_question(scorer):
         with pytest.raises(DecisionValidationError) as e:
             scorer.decide("s", {"good": color_q(2), "badtype": {"type": "vote", "question": "q"},
                                 "empty": {"question": "q", "criteria": {}},
-                                "notext": {"type": "noul"}, "badscore": {"type": "score", "question": "q",
-                                                                         "criteria": ["one"]},
+                                "both": {"type": "noul", "question": "q", "instructions": "q"},
+                                "badnoul": {"type": "noul", "criteria": {"maybe": "x"}},
+                                "badscore": {"type": "score", "question": "q", "criteria": ["one"]},
                                 "malformed": {"question": "q", "criteria": ["a", "b"]}})
     finally:
         scorer._letter_logits = original
-    assert set(e.value.errors) == {"badtype", "empty", "notext", "badscore", "malformed"}
+    assert set(e.value.errors) == {"badtype", "empty", "both", "badnoul", "badscore", "malformed"}
     assert "unknown type 'vote'" in e.value.errors["badtype"]
-    assert "question text" in e.value.errors["notext"]
+    assert "not both" in e.value.errors["both"]
+    for key, kind in (("badnoul", "noul"), ("badscore", "score"), ("empty", "choice")):
+        assert f"a {kind} question looks like" in e.value.errors[key]   # the reason and a valid example
     assert not calls, "nothing may be computed for a rejected request"
     with pytest.raises(DecisionValidationError, match="state"):
         scorer.decide({"x": float("nan")}, {"q": color_q(2)})
@@ -322,3 +326,64 @@ def test_cuda_graphs_match_eager(ckpt):
     eager = s.decide_batch([("the cat is red", qs)])[0]
     assert graphed["a"]["choice"] == eager["a"]["choice"] or abs(
         graphed["a"]["confidence"] - eager["a"]["confidence"]) < 2e-2
+
+
+# ---- the System One wire format as real clients send it
+
+class CharTokenizer:
+    """One token per character, so a rendered prompt reads back exactly."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def prompt_text(state, question, template=None):
+    row = J.from_systemone(state, question, template)
+    ids, _ = J.render_ids(row, CharTokenizer(), [o.id for o in row.options], 100_000, template)
+    return CharTokenizer().decode(ids)
+
+
+def test_prompts_of_each_wire_shape():
+    assert prompt_text("s", {"instructions": "Which?", "criteria": {"a": "x", "b": None, "c": {"k": [1, 2]}}}) == (
+        'State:\ns\n\nQuestion: Which?\nOptions:\nA. x\nB. b\nC. {"k": [1, 2]}\nAnswer:')
+    assert prompt_text({"b": [1]}, {"type": "noul", "instructions": {"goal": "win", "rules": ["fair"]}}) == (
+        'State:\n{\n  "b": [\n    1\n  ]\n}\n\nQuestion: {"goal": "win", "rules": ["fair"]}\nOptions:\nA. Yes\nB. No\nAnswer:')
+    assert prompt_text("s", {"type": "noul", "criteria": {"true": "it is", "false": None}}) == (
+        "State:\ns\n\nOptions:\nA. Yes: it is\nB. No\nAnswer:")
+    assert prompt_text("", {"type": "score", "instructions": None, "criteria": ["low", {"level": 2}]}) == (
+        'Options:\nA. 0: low\nB. 1: {"level": 2}\nAnswer:')
+    # the older name renders exactly as `instructions` does, and extra keys change nothing
+    assert prompt_text("s", {"question": "Q?", "criteria": {"a": "x", "b": "y"}}) == \
+        prompt_text("s", {"instructions": "Q?", "criteria": {"a": "x", "b": "y"}, "proposition": "p"})
+    # every new piece can be overridden by a checkpoint's template
+    tpl = J.template_from({"template": {"no_question": "Pick:\n", "noul_option": "{label} ({text})"}})
+    assert prompt_text("", {"type": "noul", "criteria": {"true": "t", "false": "f"}}, tpl) == (
+        "Pick:\nA. Yes (t)\nB. No (f)\nAnswer:")
+
+
+@pytest.mark.parametrize("name", sorted(REQUESTS))
+def test_real_client_requests(scorer, name):
+    request = REQUESTS[name]
+    answers, usage = scorer.decide(request["state"], request["questions"])
+    check_answers(request, answers)
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] == 0
+    # each answer is what the full transformers model gives for that question's rendered prompt
+    for key, q in request["questions"].items():
+        ref, _ = reference_probs(scorer, request["state"], q)
+        a = answers[key]
+        got = [a["noul"]] if a["type"] == "noul" else list(a["probabilities"].values())
+        assert got == pytest.approx(ref[:len(got)], abs=1e-4)
+
+
+def test_real_client_requests_batched_equal_alone(scorer):
+    reqs = [(r["state"], r["questions"]) for r in REQUESTS.values()]
+    batched = scorer.decide_batch(reqs)
+    for (state, questions), got in zip(reqs, batched):
+        alone, _ = scorer.decide(state, questions)
+        for key, a in alone.items():
+            for field in ("probabilities", "noul"):
+                if field in a:
+                    assert got[key][field] == pytest.approx(a[field], abs=1e-4)

@@ -86,7 +86,7 @@ def test_decision_demo_tournament(scorer):
         items = [answer] + rng.sample(others, 39)
         rng.shuffle(items)
         crit = {f"k{i}": w for i, w in enumerate(items)}
-        answers, usage = scorer.decide("", {"q": {"question": f"Which option is a {cat}?", "criteria": crit}})
+        answers, usage = scorer.decide("", {"q": {"instructions": f"Which option is a {cat}?", "criteria": crit}})
         assert len(answers["q"]["probabilities"]) == 40 and usage["input_tokens"] > 0
         right += answers["q"]["choice"] == f"k{items.index(answer)}"
     assert right >= 8

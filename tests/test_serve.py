@@ -12,6 +12,7 @@ import torch
 from core.chat import save_chat_model
 from tests.conftest import tiny_model
 from tests.decision_fixtures import build_checkpoint
+from tests.systemone_requests import REQUESTS, check_answers
 
 pytestmark = pytest.mark.serve
 
@@ -47,7 +48,8 @@ def service(tmp_path_factory, tokenizer):
                "Ingress": dict(small, max_ongoing_requests=256)}
     args = dict(chat_checkpoint=str(root / "chat"), decision_checkpoint=str(root / "decision"), device="cpu",
                 chat_max_rows=MAX_ROWS, chat_max_waiting=16, max_body_bytes=20_000, max_messages=16,
-                max_message_chars=2000, chat_stream_interval=3)   # tokens grouped after the first text
+                max_message_chars=2000, chat_stream_interval=3,
+                decision_model_aliases=["jev-latest"])   # tokens grouped after the first text
     serve.run(wire(AppArgs(**args), options), name="open", route_prefix="/")
     keyed = dict(args, api_keys=["sekrit"], chat_max_rows=2)
     serve.run(wire(AppArgs(**keyed), options), name="keyed", route_prefix="/keyed")
@@ -76,7 +78,7 @@ def sse_events(lines):
 def test_health_and_models(service):
     assert httpx.get(f"{service}/healthz").json() == {"status": "ok"}
     ids = [m["id"] for m in httpx.get(f"{service}/v1/models").json()["data"]]
-    assert ids == ["chat", "startlux-decision"]
+    assert ids == ["chat", "startlux-decision", "jev-latest"]
 
 
 def test_non_stream_completion_and_seed(service):
@@ -207,6 +209,16 @@ def test_decisions_are_batched(service):
     assert stats["largest_batch"] > 1
 
 
+@pytest.mark.parametrize("name", sorted(REQUESTS))
+def test_real_client_requests(service, name):
+    r = httpx.post(f"{service}/v1/systemone", json=REQUESTS[name], timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "startlux-decision"
+    assert body["usage"]["input_tokens"] > 0 and body["usage"]["output_tokens"] == 0
+    check_answers(REQUESTS[name], body["answers"])
+
+
 @pytest.mark.parametrize("payload,status,needle", [
     ("{not json", 400, "malformed JSON"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
@@ -243,7 +255,14 @@ def test_decision_bad_input_names_every_key(service):
     err = r.json()["error"]
     assert "'bad1'" in err["message"] and "'bad2'" in err["message"] and set(err["errors"]) == {"bad1", "bad2"}
     r = httpx.post(f"{service}/v1/systemone", json={"state": "s", "questions": {"q": {"type": "vote", "question": "q"}}})
-    assert r.status_code == 400 and "questions.q.type" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "'q'" in r.json()["error"]["message"] and "unknown type 'vote'" in r.text
+    both = {"state": "s", "questions": {"q": {"type": "noul", "question": "a", "instructions": "a"}}}
+    r = httpx.post(f"{service}/v1/systemone", json=both)
+    assert r.status_code == 400 and "not both" in r.json()["error"]["errors"]["q"]
+    r = httpx.post(f"{service}/v1/systemone", json=dict(decision_body(), assets={"img-1": {"data_base64": "AAAA"}}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "assets" and "not supported" in r.text
+    r = httpx.post(f"{service}/v1/systemone", json=dict(decision_body(), extra_field=1))
+    assert r.status_code == 400 and "extra_field" in r.text
 
 
 def test_unknown_route_and_method(service):
@@ -281,6 +300,10 @@ def test_api_keys(service):
 
 
 def test_decision_model_field(service):
-    assert httpx.post(f"{service}/v1/systemone", json=dict(decision_body(), model="startlux-decision")).status_code == 200
+    for name in ("startlux-decision", "jev-latest"):     # the configured name and its alias
+        r = httpx.post(f"{service}/v1/systemone", json=dict(decision_body(), model=name))
+        assert r.status_code == 200 and r.json()["model"] == "startlux-decision"
+    models = {m["id"]: m for m in httpx.get(f"{service}/v1/models").json()["data"]}
+    assert models["jev-latest"]["alias_of"] == "startlux-decision"
     r = httpx.post(f"{service}/v1/systemone", json=dict(decision_body(), model="other"))
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -145,7 +145,7 @@ def choice_category(rng):
     crit = dict(zip(ids, items))
     truth = ids[items.index(answer)]
     state = _state(rng)
-    return state, {"type": "choice", "question": f"Which option is a {cat}?", "criteria": crit}, truth
+    return state, {"type": "choice", "instructions": f"Which option is a {cat}?", "criteria": crit}, truth
 
 
 def choice_largest(rng):
@@ -154,7 +154,7 @@ def choice_largest(rng):
     ids = [f"n{i}" for i in range(n)]
     crit = {i: str(v) for i, v in zip(ids, nums)}
     truth = ids[nums.index(max(nums))]
-    return _state(rng), {"type": "choice", "question": "Which number is the largest?", "criteria": crit}, truth
+    return _state(rng), {"type": "choice", "instructions": "Which number is the largest?", "criteria": crit}, truth
 
 
 def noul_compare(rng):
@@ -163,7 +163,7 @@ def noul_compare(rng):
         q, truth = f"Is {a} greater than {b}?", a > b
     else:
         q, truth = f"Is {a} less than {b}?", a < b
-    return _state(rng), {"type": "noul", "question": q}, "true" if truth else "false"
+    return _state(rng), {"type": "noul", "instructions": q}, "true" if truth else "false"
 
 
 def score_count(rng):
@@ -179,7 +179,7 @@ def score_count(rng):
 
 
 def count_question(cat: str, items: list[str]) -> dict:
-    return {"type": "score", "question": f"How many of these are a {cat}: {', '.join(items)}?",
+    return {"type": "score", "instructions": f"How many of these are a {cat}: {', '.join(items)}?",
             "criteria": ["none", "one", "two", "three"]}
 DECISION_TASKS = {"choice_category": choice_category, "choice_largest": choice_largest, "noul": noul_compare,
                   "score": score_count}
@@ -193,7 +193,7 @@ def choice_category_name(rng):
     cats = rng.sample(list(CATEGORIES), rng.randint(2, len(CATEGORIES)))
     cat = rng.choice(cats)
     ids = [f"c{i}" for i in range(len(cats))]
-    question = {"type": "choice", "question": f"Which option is a {cat}?", "criteria": dict(zip(ids, cats))}
+    question = {"type": "choice", "instructions": f"Which option is a {cat}?", "criteria": dict(zip(ids, cats))}
     return _state(rng), question, ids[cats.index(cat)]
 
 
@@ -250,6 +250,6 @@ def decision_corpus_text(n: int = 3000, seed: int = 0) -> list[str]:
     out = []
     for _ in range(n):
         _, state, q, _ = decision_example(rng)
-        out.append(state + " " + q["question"] + " " + " ".join(
+        out.append(state + " " + q["instructions"] + " " + " ".join(
             q["criteria"].values() if isinstance(q.get("criteria"), dict) else q.get("criteria") or []))
     return out + [str(i) for i in range(100)] * 20

@@ -1,41 +1,47 @@
-"""jevfmt: the prompt format of StartLux-Decision questions.
+"""jevfmt: the prompt format of StartLux-Decision questions, from System One's wire format.
 
-Wire format of one question (TypeSafe's `/v1/systemone`):
+A request is `{"model"?, "state": any JSON, "questions": {name: question}, "assets"?}`; a question is
 
-    {"type": "choice" | "noul" | "score", "question": str, "criteria": ...}      # type defaults to "choice"
+    {"type": "choice" | "noul" | "score", "instructions": str | JSON | null, "criteria": ...}   # type: "choice"
 
-- `choice`: `criteria` maps option ids to descriptions (an empty description shows the id).
-- `noul`:   a yes/no question; the options are `true` ("Yes") and `false` ("No"); `criteria` is ignored.
-- `score`:  `criteria` is a list, or a dict, of level descriptions; the options are the levels 0..n-1.
+- `choice`: `criteria` maps option ids to descriptions: a string, any JSON value (shown as JSON text) or
+  null (the option shows its id).
+- `noul`:   a yes/no question; the options are `true` ("Yes") and `false` ("No"). `criteria` is optional:
+  `{"true": description, "false": description}` shows them as "Yes: <description>" / "No: <description>".
+- `score`:  `criteria` is a list of level descriptions, lowest first (an object's values are taken in
+  order); the options are the levels 0..n-1.
 
-A request is `{"state": ..., "questions": {key: question}}`. The state is shared by every question: a
-string, or any JSON value, rendered as indented JSON.
+`instructions` given as JSON is shown as JSON text; null or absent shows no instruction line. `question` is
+accepted as an older name for `instructions` (both at once is an error). Other keys are ignored. The state
+is a string, or any JSON value, rendered as indented JSON.
 
-A rendered prompt (the default template; a checkpoint may declare its own in `decision_config.json`
-under `"template"`, with the same keys) is:
+A rendered prompt (the default template; a checkpoint may declare its own in `decision_config.json` under
+`"template"`, with the same keys) is:
 
     State:
     <state>
 
-    Question: <question>
+    Question: <instructions>
     Options:
     A. <option text>
     B. <option text>
     Answer:
 
-and the model's next token is the answer letter, written as `letter` says (`" A"` by default). The
-prompt is tokenized in three segments (state block, state text, question block) so that cutting the
-state never changes how the question and options are tokenized.
+("Options:" alone opens the block when there are no instructions), and the model's next token is the
+answer letter, written as `letter` says (`" A"` by default). The prompt is tokenized in three segments
+(state block, state text, question block) so that cutting the state never changes how the question and
+options are tokenized.
 
-Too long for `max_length`: tokens are cut from the *start* of the state (its end, usually the most
-recent part, is kept) and `[...]` marks the cut. When the question and options alone do not fit,
-`PromptTooLong` is raised.
+Too long for `max_length`: tokens are cut from the *start* of the state (its end, usually the most recent
+part, is kept) and `[...]` marks the cut. When the question and options alone do not fit, `PromptTooLong`
+is raised.
 """
 from __future__ import annotations
 
 import json
 import string
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_OPTIONS = 26
 LETTERS = string.ascii_uppercase
@@ -44,11 +50,13 @@ TYPES = ("choice", "noul", "score")
 DEFAULT_TEMPLATE = {
     "state": "State:\n{state}\n\n",
     "question": "Question: {question}\nOptions:\n",
+    "no_question": "Options:\n",
     "option": "{letter}. {text}\n",
     "answer": "Answer:",
     "letter": " {letter}",
     "cut_marker": "[...]",
     "noul_options": {"true": "Yes", "false": "No"},
+    "noul_option": "{label}: {text}",
     "score_option": "{level}: {text}",
 }
 
@@ -65,7 +73,7 @@ class PromptTooLong(FormatError):
 class Option:
     id: str
     text: str           # as shown in the prompt
-    label: str = ""     # score levels: the level's description (the answer's legend)
+    label: Any = ""     # score levels: the level's description as the client sent it (the answer's legend)
 
 
 @dataclass
@@ -73,7 +81,7 @@ class Row:
     """One question ready to render: its type, text, the shared state (rendered) and its options."""
 
     type: str
-    question: str
+    question: str       # the instructions as shown ("" shows no instruction line)
     state: str
     options: list[Option] = field(default_factory=list)
 
@@ -98,6 +106,24 @@ def render_state(state) -> str:
         raise FormatError(f"state cannot be rendered as JSON: {e}") from None
 
 
+EXAMPLES = {
+    "choice": '{"type": "choice", "instructions": "Which fits?", "criteria": {"a": "first", "b": "second"}}',
+    "noul": '{"type": "noul", "instructions": "Is it so?", "criteria": {"true": "it is", "false": "it is not"}}',
+    "score": '{"type": "score", "instructions": "How much?", "criteria": ["none", "some", "all"]}',
+}
+
+
+def as_text(value) -> str:
+    """A description or instructions as shown in the prompt: a string as it is, any other JSON value as JSON text
+    on one line."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise FormatError(f"not a JSON value: {e}") from None
+
+
 def question_type(question: dict) -> str:
     t = question.get("type", "choice") if isinstance(question, dict) else None
     if t is None:
@@ -107,47 +133,68 @@ def question_type(question: dict) -> str:
     return t
 
 
+def instructions(question: dict) -> str:
+    """The question's instructions as shown ("" for none). `question` is the older name of `instructions`."""
+    if "instructions" in question and "question" in question:
+        raise FormatError("give `instructions` or its older name `question`, not both")
+    value = question.get("instructions", question.get("question"))
+    return "" if value is None else as_text(value)
+
+
 def choice_criteria(question: dict) -> dict[str, str]:
+    """Option id -> the text shown for it."""
     crit = question.get("criteria")
     if not isinstance(crit, dict) or not crit:
         raise FormatError("a choice question needs criteria: a non-empty object of option id -> description")
-    for k, v in crit.items():
-        if not isinstance(k, str) or not k:
-            raise FormatError("choice option ids must be non-empty strings")
-        if v is not None and not isinstance(v, str):
-            raise FormatError(f"criteria[{k!r}] must be a string description")
-    return crit
+    if any(not k for k in crit):
+        raise FormatError("choice option ids must be non-empty strings")
+    return {k: as_text(v) if v not in (None, "") else k for k, v in crit.items()}
 
 
-def score_levels(question: dict) -> list[str]:
+def noul_descriptions(question: dict) -> dict[str, str]:
+    """`true`/`false` -> the description shown next to Yes/No ("" for none)."""
+    crit = question.get("criteria")
+    if crit is None:
+        return {"true": "", "false": ""}
+    if not isinstance(crit, dict) or set(crit) - {"true", "false"}:
+        raise FormatError('noul criteria, when given, are {"true": description, "false": description}')
+    return {k: "" if crit.get(k) is None else as_text(crit[k]) for k in ("true", "false")}
+
+
+def score_levels(question: dict) -> list:
+    """The level descriptions, lowest first, as the client sent them."""
     crit = question.get("criteria")
     levels = list(crit.values()) if isinstance(crit, dict) else crit
     if not isinstance(levels, list) or len(levels) < 2:
-        raise FormatError("a score question needs criteria: a list (or object) of at least 2 level descriptions")
+        raise FormatError("a score question needs criteria: a list of at least 2 level descriptions, lowest first")
     if len(levels) > MAX_OPTIONS:
         raise FormatError(f"a score question has at most {MAX_OPTIONS} levels, got {len(levels)}")
-    if any(not isinstance(v, str) for v in levels):
-        raise FormatError("score level descriptions must be strings")
+    if any(v is None for v in levels):
+        raise FormatError("score level descriptions must be strings or JSON values, not null")
     return levels
 
 
 def from_systemone(state, question: dict, template: dict | None = None, rendered_state: str | None = None) -> Row:
-    """One wire-format question (and the request's state) -> a Row. Raises FormatError naming the problem."""
+    """One wire-format question (and the request's state) -> a Row. Raises FormatError naming the problem and
+    showing what a valid question of its type looks like."""
     tpl = template or DEFAULT_TEMPLATE
     if not isinstance(question, dict):
-        raise FormatError("a question must be an object")
+        raise FormatError(f"a question must be an object, such as {EXAMPLES['choice']}")
     t = question_type(question)
-    text = question.get("question")
-    if not isinstance(text, str) or not text.strip():
-        raise FormatError("missing question text")
-    st = rendered_state if rendered_state is not None else render_state(state)
-    if t == "noul":
-        opts = [Option(k, v) for k, v in tpl["noul_options"].items()]
-    elif t == "score":
-        opts = [Option(str(i), tpl["score_option"].format(level=i, text=d), d)
-                for i, d in enumerate(score_levels(question))]
-    else:
-        opts = [Option(k, v or k) for k, v in choice_criteria(question).items()]
+    try:
+        text = instructions(question)
+        st = rendered_state if rendered_state is not None else render_state(state)
+        if t == "noul":
+            desc = noul_descriptions(question)
+            opts = [Option(k, tpl["noul_option"].format(label=label, text=desc[k]) if desc.get(k) else label)
+                    for k, label in tpl["noul_options"].items()]
+        elif t == "score":
+            opts = [Option(str(i), tpl["score_option"].format(level=i, text=as_text(d)), d)
+                    for i, d in enumerate(score_levels(question))]
+        else:
+            opts = [Option(k, v) for k, v in choice_criteria(question).items()]
+    except FormatError as e:
+        raise FormatError(f"{e} (a {t} question looks like {EXAMPLES[t]})") from None
     return Row(t, text, st, opts)
 
 
@@ -170,7 +217,7 @@ def render_ids(row: Row, tokenizer, order: list[str], max_length: int,
     if len(order) > MAX_OPTIONS:
         raise FormatError(f"at most {MAX_OPTIONS} options per prompt, got {len(order)}")
     by_id = {o.id: o for o in row.options}
-    body = tpl["question"].format(question=row.question)
+    body = tpl["question"].format(question=row.question) if row.question else tpl["no_question"]
     for letter, oid in zip(LETTERS, order):
         body += tpl["option"].format(letter=letter, text=by_id[oid].text)
     body += tpl["answer"]

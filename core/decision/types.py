@@ -11,19 +11,23 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class Question(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """One System One question. The scorer checks each question against its type (`jevfmt.from_systemone`) so
+    that one error can name every bad question; unknown keys (a client's `proposition`, say) are ignored."""
+    model_config = ConfigDict(extra="allow")
 
-    type: Literal["choice", "noul", "score"] = "choice"
-    question: str
-    criteria: dict[str, str | None] | list[str] | None = None
+    type: str | None = "choice"       # "choice" | "noul" | "score"; checked with the rest of the question
+    instructions: Any = None          # text, or any JSON value (shown as JSON text); null: no instruction line
+    question: Any = None              # older name of `instructions`
+    criteria: Any = None              # choice: {id: description}; noul: {"true": ..., "false": ...}; score: [levels]
 
 
 class DecisionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    model: str | None = None          # optional; when given, the decision model's name or one of its aliases
     state: Any = None
     questions: dict[str, Question] = Field(min_length=1)
-    model: str | None = None          # optional; when given, it must name the decision model
+    assets: Any = None                # images for placeholders: not supported by this scorer (a 400 says so)
 
 
 class ChoiceAnswer(BaseModel):
@@ -42,7 +46,7 @@ class ScoreAnswer(BaseModel):
     type: Literal["score"] = "score"
     score: float                      # expected level
     confidence: float                 # probability of the most likely level
-    legend: dict[str, str]
+    legend: dict[str, Any]            # level -> its description as sent
     probabilities: dict[str, float]
 
 
@@ -55,5 +59,6 @@ class Usage(BaseModel):
 
 
 class DecisionResponse(BaseModel):
+    model: str                        # the id the service serves (an alias in the request is answered with it)
     answers: dict[str, Answer]
     usage: Usage

@@ -12,7 +12,7 @@ import logging
 from collections import Counter as Tally
 
 from ray import serve
-from ray.serve.metrics import Counter, Histogram
+from ray.serve.metrics import Counter, Gauge, Histogram
 
 from core.decision import DecisionValidationError, StartLuxDecision
 
@@ -33,15 +33,24 @@ def validation_error(e: DecisionValidationError) -> dict:
 class DecisionModel:
     def __init__(self, checkpoint: str, device: str | None = None, model_name: str = "startlux-decision",
                  max_length: int = 65536, max_batch_tokens: int = 65536, graphs: bool = True,
-                 model_aliases: tuple[str, ...] = ()):
+                 model_aliases: tuple[str, ...] = (), prefix_cache_mb: float = 256):
         self.scorer = StartLuxDecision(checkpoint, device=device, max_length=max_length,
-                                       max_batch_tokens=max_batch_tokens, graphs=graphs)
+                                       max_batch_tokens=max_batch_tokens, graphs=graphs,
+                                       prefix_cache_bytes=int(prefix_cache_mb * (1 << 20)))
         self.name, self.aliases = model_name, list(model_aliases)
         self.batch_sizes: Tally = Tally()
         self.batch_size_metric = Histogram("decision_batch_size", "Requests per decision batch.",
                                            [1, 2, 4, 8, 16, 32, 64, 128], tag_keys=("model",))
         self.questions_metric = Counter("decision_questions_total", "Questions scored.", tag_keys=("model",))
-        for m in (self.batch_size_metric, self.questions_metric):
+        self.prefix_queries_metric = Counter("decision_prefix_cache_queries_total",
+                                             "Prefix tokens looked up in the prefix cache.", tag_keys=("model",))
+        self.prefix_hits_metric = Counter("decision_prefix_cache_hits_total",
+                                          "Prefix tokens found in the prefix cache.", tag_keys=("model",))
+        self.prefix_bytes_metric = Gauge("decision_prefix_cache_bytes", "Bytes of prefix states held.",
+                                         tag_keys=("model",))
+        self._reported = {"query_tokens": 0, "hit_tokens": 0}
+        for m in (self.batch_size_metric, self.questions_metric, self.prefix_queries_metric, self.prefix_hits_metric,
+                  self.prefix_bytes_metric):
             m.set_default_tags({"model": model_name})   # a fresh dict each: Serve mutates it
         logger.info("decision model loaded on %s (kernels: %s)", self.scorer.device, self.scorer.kernels)
 
@@ -54,7 +63,8 @@ class DecisionModel:
 
     def stats(self) -> dict:
         return {"batches": sum(self.batch_sizes.values()), "largest_batch": max(self.batch_sizes, default=0),
-                "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())}}
+                "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+                "prefix_cache": self.scorer.prefix_cache.stats()}
 
     async def decide(self, request: dict) -> dict:
         """{"state", "questions"} -> {"model", "answers", "usage"} or {"error": ...}."""
@@ -64,7 +74,18 @@ class DecisionModel:
     async def _batched(self, requests: list[dict]) -> list[dict]:
         self.batch_sizes[len(requests)] += 1
         self.batch_size_metric.observe(len(requests))
-        return await asyncio.to_thread(self._run, requests)
+        try:
+            return await asyncio.to_thread(self._run, requests)
+        finally:
+            self._report_prefix_cache()
+
+    def _report_prefix_cache(self) -> None:
+        stats = self.scorer.prefix_cache.stats()
+        for key, metric in (("query_tokens", self.prefix_queries_metric), ("hit_tokens", self.prefix_hits_metric)):
+            if stats[key] > self._reported[key]:
+                metric.inc(stats[key] - self._reported[key])
+                self._reported[key] = stats[key]
+        self.prefix_bytes_metric.set(stats["bytes"])
 
     def _run(self, requests: list[dict]) -> list[dict]:
         if len(requests) == 1:   # the graph path on a GPU

@@ -8,7 +8,8 @@ import torch
 
 from core.decision import DecisionValidationError, StartLuxDecision, jevfmt as J
 from core.decision.kernels import _chosen_implementation, linear_attention_kernels
-from core.decision.scorer import fill_static, graph_shapes, padded_length, pick_graph
+from core.decision.graphs import fill_static, graph_shapes, pick_graph
+from core.decision.scorer import padded_length
 from tests.decision_fixtures import build_checkpoint
 from tests.systemone_requests import REQUESTS, check_answers
 
@@ -66,7 +67,7 @@ def test_matches_transformers_reference(scorer):
         for g, r in zip(got, ref):
             if r is not None:
                 assert g == pytest.approx(r, abs=1e-4)
-    assert usage == {"input_tokens": total, "output_tokens": 0}
+    assert usage == {"input_tokens": total, "output_tokens": 0, "input_tokens_details": {"cached_tokens": 0}}
     assert list(answers) == ["a", "b", "c"]
 
 
@@ -88,7 +89,7 @@ def test_decide_batch_equals_decide_per_request(scorer):
     for (state, qs), (answers, usage) in zip(reqs, batched):
         single, single_usage = scorer.decide(state, qs)
         assert list(answers) == list(qs)
-        assert usage == single_usage
+        assert usage["input_tokens"] == single_usage["input_tokens"] and usage["output_tokens"] == 0
         for k in qs:
             for name, v in single[k].items():
                 if isinstance(v, float):
@@ -128,8 +129,7 @@ def test_tournament_over_60_options(scorer):
     # the seed's rule: 3 near-equal groups of 20, top 3 of each to the final; the rest share residual mass
     groups = scorer._groups(list(criteria))
     assert [len(g) for g in groups] == [20, 20, 20]
-    first = [scorer._probs([scorer._render("w", scorer._sub_row("the cat", {"criteria": criteria, "question":
-                                                                           "which one"}, g))])[0] for g in groups]
+    first = scorer._probs(scorer.prepare("the cat", {"w": {"question": "which one", "criteria": criteria}}).wide["w"], {})
     finalists = {k for g, ps in zip(groups, first) for k, _ in sorted(zip(g, ps), key=lambda x: -x[1])[:3]}
     rest_mass = sum(v for k, v in p.items() if k not in finalists)
     assert rest_mass == pytest.approx(scorer.residual, rel=1e-3)
@@ -146,8 +146,8 @@ def test_narrow_tournament_keeps_every_prompt_within_max_options(ckpt, tmp_path)
     json.dump(cfg, open(narrow / "decision_config.json", "w"))
     s = StartLuxDecision(str(narrow), device="cpu")
     shown = []
-    render = s._render
-    s._render = lambda key, row: shown.append(len(row.options)) or render(key, row)
+    tail = s._tail
+    s._tail = lambda row: shown.append(len(row.options)) or tail(row)
     criteria = {f"k{i}": f"option number {i}" for i in range(40)}
     answers, _ = s.decide("the cat", {"w": {"question": "which one", "criteria": criteria},
                                       "few": {"question": "which one", "criteria": {f"f{i}": str(i) for i in range(5)}}})

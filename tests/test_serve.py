@@ -209,6 +209,19 @@ def test_decisions_are_batched(service):
     assert stats["largest_batch"] > 1
 
 
+def test_repeated_state_is_served_from_the_prefix_cache(service):
+    body = {"state": "a long shared document " * 40, "questions": {"q": {"instructions": "which", "criteria": {
+        "a": "x", "b": "y"}}, "n": {"type": "noul", "instructions": "is it"}}}
+    first = httpx.post(f"{service}/v1/systemone", json=body, timeout=60).json()
+    again = httpx.post(f"{service}/v1/systemone", json=body, timeout=60).json()
+    assert first["usage"]["input_tokens"] == again["usage"]["input_tokens"]
+    assert first["usage"]["input_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["input_tokens_details"]["cached_tokens"] > 0.8 * again["usage"]["input_tokens"]
+    assert again["answers"] == first["answers"]
+    cache = httpx.get(f"{service}/debug/stats").json()["decision"]["prefix_cache"]
+    assert cache["hit_tokens"] > 0 and 0 < cache["bytes"] <= cache["capacity_bytes"]
+
+
 @pytest.mark.parametrize("name", sorted(REQUESTS))
 def test_real_client_requests(service, name):
     r = httpx.post(f"{service}/v1/systemone", json=REQUESTS[name], timeout=60)

@@ -209,10 +209,10 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False) if text else []
 
 
-def render_ids(row: Row, tokenizer, order: list[str], max_length: int,
-               template: dict | None = None) -> tuple[list[int], RenderInfo]:
-    """The prompt ids for `row` with its options in `order` (ids), lettered A, B, C..., ending where the answer
-    letter comes."""
+def render_tail(row: Row, tokenizer, order: list[str], template: dict | None = None) -> list[int]:
+    """The question block's ids: the instructions, the options in `order` (ids) lettered A, B, C..., and the
+    answer cue, ending where the answer letter comes. Tokenized apart from the state, so it is the same whatever
+    state precedes it."""
     tpl = template or DEFAULT_TEMPLATE
     if len(order) > MAX_OPTIONS:
         raise FormatError(f"at most {MAX_OPTIONS} options per prompt, got {len(order)}")
@@ -221,25 +221,57 @@ def render_ids(row: Row, tokenizer, order: list[str], max_length: int,
     for letter, oid in zip(LETTERS, order):
         body += tpl["option"].format(letter=letter, text=by_id[oid].text)
     body += tpl["answer"]
-    tail = _encode(tokenizer, body)
-    letters = dict(zip(LETTERS, order))
-    if not row.state:
-        if len(tail) > max_length:
-            raise PromptTooLong(f"the question and its options need {len(tail)} tokens; max_length is {max_length}")
-        return tail, RenderInfo(letters, 0, 0)
-    head_text, foot_text = tpl["state"].split("{state}")
-    head, foot = _encode(tokenizer, head_text), _encode(tokenizer, foot_text)
-    state = _encode(tokenizer, row.state)
-    room = max_length - len(head) - len(foot) - len(tail)
-    if len(state) <= room:
-        return head + state + foot + tail, RenderInfo(letters, len(state), 0)
-    marker = _encode(tokenizer, tpl["cut_marker"])
-    keep = room - len(marker)
-    if keep < 0:
-        raise PromptTooLong(f"the question and its options need {len(head) + len(foot) + len(tail) + len(marker)} "
-                            f"tokens with the state cut away; max_length is {max_length}")
-    kept = state[len(state) - keep:] if keep else []
-    return head + marker + kept + foot + tail, RenderInfo(letters, keep, len(state) - keep)
+    return _encode(tokenizer, body)
+
+
+@dataclass
+class StateBlock:
+    """A request's state, tokenized once: the template's head and foot around the state's own tokens."""
+
+    head: list[int]
+    state: list[int]
+    foot: list[int]
+    marker: list[int]
+
+    @classmethod
+    def of(cls, state_text: str, tokenizer, template: dict | None = None) -> "StateBlock":
+        tpl = template or DEFAULT_TEMPLATE
+        if not state_text:
+            return cls([], [], [], [])
+        head_text, foot_text = tpl["state"].split("{state}")
+        return cls(_encode(tokenizer, head_text), _encode(tokenizer, state_text), _encode(tokenizer, foot_text),
+                   _encode(tokenizer, tpl["cut_marker"]))
+
+    def ids(self, room: int) -> tuple[list[int], int]:
+        """The state block in at most `room` tokens, and how many state tokens were cut from its start (a
+        marker shows the cut). PromptTooLong when not even the marker fits."""
+        if not self.state:
+            if room < 0:
+                raise PromptTooLong(f"the question and its options need {-room} tokens more than max_length")
+            return [], 0
+        frame = len(self.head) + len(self.foot)
+        if frame + len(self.state) <= room:
+            return self.head + self.state + self.foot, 0
+        keep = room - frame - len(self.marker)
+        if keep < 0:
+            raise PromptTooLong(f"the question and its options need {frame + len(self.marker) - room} tokens more "
+                                f"than max_length leaves them with the state cut away")
+        kept = self.state[len(self.state) - keep:] if keep else []
+        return self.head + self.marker + kept + self.foot, len(self.state) - keep
+
+
+def render_ids(row: Row, tokenizer, order: list[str], max_length: int,
+               template: dict | None = None) -> tuple[list[int], RenderInfo]:
+    """The whole prompt for `row` with its options in `order` (ids): the state block, cut from its start to fit
+    `max_length`, then the question block."""
+    tail = render_tail(row, tokenizer, order, template)
+    block = StateBlock.of(row.state, tokenizer, template)
+    try:
+        prefix, cut = block.ids(max_length - len(tail))
+    except PromptTooLong:
+        raise PromptTooLong(f"the question and its options need {len(tail)} tokens (with the state cut away, "
+                            f"more); max_length is {max_length}") from None
+    return prefix + tail, RenderInfo(dict(zip(LETTERS, order)), len(block.state) - cut, cut)
 
 
 def letter_token_ids(tokenizer, template: dict | None = None) -> list[int]:

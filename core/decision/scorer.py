@@ -1,16 +1,17 @@
 """StartLux-Decision: typed multiple-choice answers from the next-token logits of option letters.
 
-Each question becomes one prompt (jevfmt), the model runs one forward pass, and the answer is read from the
-logits of the option letters at the last prompt position, divided by the temperature of the question type
-and normalised over the listed options. Nothing is generated.
+Each question becomes one prompt (jevfmt): the request's state block, then the question block (its tail).
+The answer is read from the logits of the option letters at the last prompt position, divided by the
+temperature of the question type and normalised over the listed options. Nothing is generated.
 
 Paths through the model:
-- Eager: prompts sorted by length, right-padded to one of PAD_LENGTHS (the linear-attention kernels compile
-  once per length), at most `max_batch_tokens` per pass. `decide_batch` sends every question of many
-  requests through this path.
-- CUDA graphs: on a GPU, `decide` replays a recorded graph: one per padded length for a single question,
-  one per (questions, length) for 2-4 questions of up to 1024 tokens. Rows are right-padded without a mask:
-  every layer is causal, so padding never reaches the position that is read.
+- Shared prefix (the default): the state block runs once per distinct prefix (per request, and once for
+  all requests of a batch that carry the same state; a byte-bounded LRU keeps prefix states across requests,
+  prefix_cache.py), and each question's tail continues from it; tails share passes as `passes.plan` decides.
+  A state that must be cut is cut once per request, to fit its longest question.
+- Full prompts (`share_prefix=False`, the seed's way): every prompt runs whole, sorted by length,
+  right-padded with a mask, at most `max_batch_tokens` per pass.
+- CUDA graphs: on a GPU, `decide` replays a recorded pass over whole prompts when one fits (graphs.py).
 One forward pass at a time (a lock): graphs share static buffers and callers may be on several threads.
 """
 from __future__ import annotations
@@ -24,13 +25,13 @@ from dataclasses import dataclass
 import torch
 
 from . import jevfmt as J
+from .graphs import PromptGraphs
 from .kernels import linear_attention_kernels
+from .passes import PassCost, plan
+from .prefix_cache import PrefixCache, PrefixState, batch_cache
 
 logger = logging.getLogger(__name__)
 
-GRAPH_LENGTHS = (128, 192, 256, 320, 384, 512, 640, 768, 1024, 1536, 2048, 3072, 4096)
-GRAPH_ROWS = (1, 2, 3, 4)
-MULTI_ROW_MAX_LENGTH = 1024
 PAD_LENGTHS = (128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096,
                5120, 6144, 7168, 8192, 10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768, 40960, 49152, 57344, 65536)
 
@@ -59,51 +60,37 @@ def padded_length(n: int, fine: bool = False) -> int:
     return -(-n // 8192) * 8192
 
 
-def graph_shapes() -> list[tuple[int, int]]:
-    """Every (rows, length) a graph is recorded for, largest first (they share one memory pool)."""
-    shapes = [(b, n) for b in GRAPH_ROWS for n in GRAPH_LENGTHS if b == 1 or n <= MULTI_ROW_MAX_LENGTH]
-    return sorted(shapes, key=lambda s: (-s[0] * s[1], -s[1]))
-
-
-def pick_graph(lengths: list[int], shapes) -> tuple[int, int] | None:
-    """The recorded (rows, length) that replays these prompts, or None when none fits."""
-    if not lengths:
-        return None
-    longest = max(lengths)
-    fits = [n for b, n in shapes if b == len(lengths) and n >= longest]
-    return (len(lengths), min(fits)) if fits else None
-
-
-def fill_static(ids: torch.Tensor, last: torch.Tensor, prompts: list[list[int]], pad: int) -> None:
-    """Write prompts into a graph's static buffers: right-padded ids (rows, n) and each row's last position."""
-    host = torch.full(ids.shape, pad, dtype=torch.long)
-    for j, p in enumerate(prompts):
-        host[j, :len(p)] = torch.tensor(p)
-    ids.copy_(host)
-    last.copy_(torch.tensor([len(p) - 1 for p in prompts]))
-
-
 @dataclass
 class _Prompt:
     key: str
     row: J.Row
-    ids: list[int]
+    prefix: list[int]        # the state block (shared by the request's questions)
+    tail: list[int]          # the question block
+    request: int = 0         # which request of a batch it belongs to
+    cached: int = 0          # prefix tokens served from the prefix cache, not computed for this request
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prefix + self.tail
 
 
 @dataclass
 class _Prepared:
     questions: dict
     state_text: str
+    block: J.StateBlock
+    prefix: list[int]        # the request's state block, cut once to fit its longest question
     answers: dict            # answered without the model (single-option choice)
     prompts: list[_Prompt]   # questions of at most max_options options, rendered
     wide: dict[str, list[_Prompt]]   # choice questions over max_options -> their rendered first-round prompts
 
 
 class StartLuxDecision:
-    """decide(state, questions) -> (answers, usage), answers in the TypeSafe /v1/systemone format."""
+    """decide(state, questions) -> (answers, usage), answers in the System One /v1/systemone format."""
 
     def __init__(self, path: str, device=None, max_length: int = 65536, max_batch_tokens: int = 65536,
-                 graphs: bool = True, dtype: torch.dtype | None = None):
+                 graphs: bool = True, dtype: torch.dtype | None = None, share_prefix: bool = True,
+                 prefix_cache_bytes: int = 256 << 20):
         import transformers
         from transformers import AutoConfig, AutoTokenizer
 
@@ -153,41 +140,19 @@ class StartLuxDecision:
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (self.tok.eos_token_id or 0)
         self.max_length, self.max_batch_tokens = int(max_length), int(max_batch_tokens)
         self._lock = threading.Lock()
-        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.share_prefix = share_prefix
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.pass_cost = PassCost.of(self.body, self.device.type)
+        self.kinds = list(getattr(self.body.config, "layer_types", []))
+        self.graphs: PromptGraphs | None = None
         if graphs and self.device.type == "cuda" and os.environ.get("STARTLUX_GRAPHS", "1") != "0":
-            self._capture()
+            self.graphs = PromptGraphs(self._slot_logits, self.device, self.pad)
 
     # ---- model passes
     def _slot_logits(self, ids: torch.Tensor, last: torch.Tensor, attn: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.body(input_ids=ids, attention_mask=attn, use_cache=False, return_dict=True).last_hidden_state
         h = hidden[torch.arange(ids.shape[0], device=ids.device), last].float()
         return h @ self.letter_rows.T
-
-    @torch.inference_mode()
-    def _capture(self) -> None:
-        pool = None
-        for b, n in graph_shapes():
-            ids = torch.full((b, n), self.pad, dtype=torch.long, device=self.device)
-            last = torch.full((b,), n - 1, dtype=torch.long, device=self.device)
-            stream = torch.cuda.Stream(device=self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(3):   # autotune and warm every kernel outside the capture
-                    self._slot_logits(ids, last)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._slot_logits(ids, last)
-            pool = graph.pool()
-            self.graphs[(b, n)] = (graph, ids, last, out)
-        logger.info("recorded %d CUDA graphs", len(self.graphs))
-
-    def _graph_logits(self, shape, prompts: list[list[int]]) -> list[torch.Tensor]:
-        graph, static_ids, last, out = self.graphs[shape]
-        fill_static(static_ids, last, prompts, self.pad)
-        graph.replay()
-        res = out.cpu()
-        return [res[j].clone() for j in range(len(prompts))]
 
     def _eager_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -210,23 +175,88 @@ class StartLuxDecision:
         return out
 
     @torch.inference_mode()
-    def _letter_logits(self, prompts: list[list[int]], use_graphs: bool = True) -> list[torch.Tensor]:
+    def _prefix_state(self, ids: list[int]) -> PrefixState:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.body.config)
+        self.body(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True)
+        return PrefixState.capture(cache, self.kinds, len(ids))
+
+    @torch.inference_mode()
+    def _tail_logits(self, states: list[PrefixState | None], tails: list[list[int]]) -> torch.Tensor:
+        """One pass over `tails`, each continuing from its prefix state: right-padded tails, left-padded keys."""
+        cache, longest = batch_cache(self.body.config, states)
+        width = max(len(t) for t in tails)
+        ids = torch.full((len(tails), width), self.pad, dtype=torch.long)
+        for j, t in enumerate(tails):
+            ids[j, :len(t)] = torch.tensor(t)
+        lengths = [s.length if s is not None else 0 for s in states]
+        mask = positions = None
+        if cache is not None and min(lengths) < longest:
+            mask = torch.ones((len(tails), longest + width), dtype=torch.long)
+            positions = torch.arange(width).repeat(len(tails), 1)
+            for j, n in enumerate(lengths):
+                mask[j, :longest - n] = 0
+                positions[j] += n
+            mask, positions = mask.to(self.device), positions.to(self.device)
+        hidden = self.body(input_ids=ids.to(self.device), attention_mask=mask, position_ids=positions,
+                           past_key_values=cache, use_cache=cache is not None, return_dict=True).last_hidden_state
+        last = torch.tensor([len(t) - 1 for t in tails], device=self.device)
+        h = hidden[torch.arange(len(tails), device=self.device), last].float()
+        return (h @ self.letter_rows.T).cpu()
+
+    def _shared_logits(self, prompts: list[_Prompt], owners: dict) -> list[torch.Tensor]:
+        """Each distinct prefix once (from the prefix cache when it holds it), then the tails in planned passes.
+        `owners` maps the prefixes computed in this call to the request that computed them; a prompt whose prefix
+        it did not compute itself is marked `cached`."""
+        states: dict[tuple[int, ...], PrefixState] = {}
+        for p in prompts:
+            key = tuple(p.prefix)
+            if key and key not in states:
+                state = self.prefix_cache.get(key)
+                if state is None:
+                    state = self._prefix_state(p.prefix)
+                    self.prefix_cache.put(key, state)
+                    owners.setdefault(key, p.request)
+                else:
+                    owners.setdefault(key, -1)           # an earlier call computed it
+                states[key] = state
+            p.cached = len(key) if key and owners[key] != p.request else 0
+        rows = [(len(p.prefix), len(p.tail)) for p in prompts]
+        out: list[torch.Tensor | None] = [None] * len(prompts)
+        for group in plan(rows, self.max_batch_tokens, self.pass_cost):
+            logits = self._tail_logits([states.get(tuple(prompts[i].prefix)) for i in group],
+                                       [prompts[i].tail for i in group])
+            for j, i in enumerate(group):
+                out[i] = logits[j]
+        return out
+
+    def _letter_logits(self, prompts: list[_Prompt], owners: dict, use_graphs: bool = True) -> list[torch.Tensor]:
         """Logits of the 26 letters at the end of each prompt."""
         with self._lock:
-            shape = pick_graph([len(p) for p in prompts], self.graphs) if use_graphs and self.graphs else None
+            shape = self.graphs.shape_for([p.ids for p in prompts]) if use_graphs and self.graphs else None
             if shape is not None:
-                return self._graph_logits(shape, prompts)
-            return self._eager_logits(prompts)
+                return self.graphs.replay(shape, [p.ids for p in prompts])
+            if self.share_prefix:
+                return self._shared_logits(prompts, owners)
+            return self._eager_logits([p.ids for p in prompts])
 
-    def _probs(self, prompts: list[_Prompt], use_graphs: bool = True) -> list[list[float]]:
-        logits = self._letter_logits([p.ids for p in prompts], use_graphs) if prompts else []
+    def _probs(self, prompts: list[_Prompt], owners: dict, use_graphs: bool = True) -> list[list[float]]:
+        logits = self._letter_logits(prompts, owners, use_graphs) if prompts else []
         return [torch.softmax(z[:len(p.row.options)] / self.temperature.get(p.row.type, 1.0), -1).tolist()
                 for p, z in zip(prompts, logits)]
 
     # ---- requests
-    def _render(self, key: str, row: J.Row) -> _Prompt:
-        ids, _ = J.render_ids(row, self.tok, [o.id for o in row.options], self.max_length, self.template)
-        return _Prompt(key, row, ids)
+    def _tail(self, row: J.Row) -> list[int]:
+        return J.render_tail(row, self.tok, [o.id for o in row.options], self.template)
+
+    def _prompt(self, key: str, row: J.Row, tail: list[int], prep: _Prepared, request: int) -> _Prompt:
+        """A prompt on the request's shared prefix; a tail too long for it (a later tournament round) gets the
+        state cut to fit itself instead."""
+        prefix = prep.prefix
+        if len(prefix) + len(tail) > self.max_length:
+            prefix, _ = prep.block.ids(self.max_length - len(tail))
+        return _Prompt(key, row, prefix, tail, request)
 
     def _groups(self, keys: list[str]) -> list[list[str]]:
         n_groups = -(-len(keys) // self.group)
@@ -242,8 +272,9 @@ class StartLuxDecision:
         crit = spec["criteria"]
         return J.from_systemone(None, dict(spec, criteria={k: crit[k] for k in keys}), self.template, state_text)
 
-    def prepare(self, state, questions) -> _Prepared:
-        """Validate and render a request. Raises DecisionValidationError naming every bad question; nothing runs."""
+    def prepare(self, state, questions, request: int = 0) -> _Prepared:
+        """Validate and render a request. Raises DecisionValidationError naming every bad question; nothing runs.
+        The state is tokenized once and cut once, to leave room for the request's longest question block."""
         errors: dict[str, str] = {}
         if not isinstance(questions, dict) or not questions:
             raise DecisionValidationError({"questions": "must be a non-empty object of key -> question"})
@@ -251,52 +282,75 @@ class StartLuxDecision:
             state_text = J.render_state(state)
         except J.FormatError as e:
             raise DecisionValidationError({"state": str(e)}) from None
-        answers, prompts, wide = {}, [], {}
+        block = J.StateBlock.of(state_text, self.tok, self.template)
+        answers: dict = {}
+        plain: list[tuple[str, J.Row, list[int]]] = []
+        wide: dict[str, list[tuple[J.Row, list[int]]]] = {}
         for key, q in questions.items():
             try:
                 row = J.from_systemone(None, q, self.template, state_text)
                 if row.type == "choice" and len(row.options) == 1:
                     only = row.options[0].id
                     answers[key] = {"type": "choice", "choice": only, "confidence": 1.0, "probabilities": {only: 1.0}}
-                elif row.type == "choice" and len(row.options) > self.max_options:
-                    # rendering every first-round prompt now checks that each fits; _wide reuses them
-                    wide[key] = [self._render(key, self._sub_row(state_text, q, g))
-                                 for g in self._groups([o.id for o in row.options])]
+                    continue
+                if row.type == "choice" and len(row.options) > self.max_options:
+                    subs = [self._sub_row(state_text, q, g) for g in self._groups([o.id for o in row.options])]
+                    tails = [(sub, self._tail(sub)) for sub in subs]
                 else:
-                    prompts.append(self._render(key, row))
+                    tails = [(row, self._tail(row))]
+                for _, tail in tails:        # every prompt must fit, with the state cut as far as it goes
+                    try:
+                        block.ids(self.max_length - len(tail))
+                    except J.PromptTooLong:
+                        raise J.PromptTooLong(f"the question and its options need {len(tail)} tokens (with the state "
+                                              f"cut away, more); max_length is {self.max_length}") from None
+                if row.type == "choice" and len(row.options) > self.max_options:
+                    wide[key] = tails
+                else:
+                    plain.append((key, row, tails[0][1]))
             except J.FormatError as e:
                 errors[str(key)] = str(e)
         if errors:
             raise DecisionValidationError(errors)
-        return _Prepared(questions, state_text, answers, prompts, wide)
+        longest = max([len(t) for _, _, t in plain] + [len(t) for ts in wide.values() for _, t in ts], default=0)
+        prefix = block.ids(self.max_length - longest)[0] if (plain or wide) else []
+        prep = _Prepared(questions, state_text, block, prefix, answers, [], {})
+        prep.prompts = [self._prompt(key, row, tail, prep, request) for key, row, tail in plain]
+        prep.wide = {key: [self._prompt(key, row, tail, prep, request) for row, tail in ts] for key, ts in wide.items()}
+        return prep
 
-    def _wide(self, state_text: str, spec: dict, key: str,
-              first_prompts: list[_Prompt] | None = None) -> tuple[dict[str, float], int]:
-        """More than `max_options` (26) options: near-equal groups of at most `group`, the top `keep` of each go to
-        a final round (itself a tournament while the finalists are more than `max_options`);
-        the others share `residual` of the mass in proportion to their first-round probabilities."""
+    def _wide(self, prep: _Prepared, spec: dict, key: str, owners: dict, request: int,
+              first_prompts: list[_Prompt] | None = None) -> tuple[dict[str, float], int, int]:
+        """More than `max_options` options: near-equal groups of at most `group`, the top `keep` of each go to a
+        final round (itself a tournament while the finalists are more than `max_options`); the others share
+        `residual` of the mass in proportion to their first-round probabilities. Every round's prompts continue
+        from the request's shared prefix. -> (probabilities, prompt tokens, cached tokens)."""
         keys = list(spec["criteria"])
         groups = self._groups(keys)
         if first_prompts is None:
-            first_prompts = [self._render(key, self._sub_row(state_text, spec, g)) for g in groups]
-        first = self._probs(first_prompts, use_graphs=False)
+            rows = [self._sub_row(prep.state_text, spec, g) for g in groups]
+            first_prompts = [self._prompt(key, r, self._tail(r), prep, request) for r in rows]
+        first = self._probs(first_prompts, owners, use_graphs=False)
         tokens = sum(len(p.ids) for p in first_prompts)
+        cached = sum(p.cached for p in first_prompts)
         first_p = {k: p for g, ps in zip(groups, first) for k, p in zip(g, ps)}
         finalists = [k for g, ps in zip(groups, first)
                      for k, _ in sorted(zip(g, ps), key=lambda x: -x[1])[:self.keep]]
         fin_spec = dict(spec, criteria={k: spec["criteria"][k] for k in finalists})
         if len(finalists) > self.max_options:
-            final_p, more = self._wide(state_text, fin_spec, key)
+            final_p, more, more_cached = self._wide(prep, fin_spec, key, owners, request)
         else:
-            final = self._render(key, self._sub_row(state_text, fin_spec, finalists))
-            final_p, more = dict(zip(finalists, self._probs([final], use_graphs=False)[0])), len(final.ids)
+            row = self._sub_row(prep.state_text, fin_spec, finalists)
+            final = self._prompt(key, row, self._tail(row), prep, request)
+            final_p = dict(zip(finalists, self._probs([final], owners, use_graphs=False)[0]))
+            more, more_cached = len(final.ids), final.cached
         chosen = set(finalists)
         rest = [k for k in keys if k not in chosen]
         mass = sum(first_p[k] for k in rest) or 1.0
         probs = {k: final_p[k] * (1 - self.residual) for k in finalists}
         probs.update({k: self.residual * first_p[k] / mass for k in rest})
         z = sum(probs.values())
-        return {k: probs[k] / z for k in keys}, tokens + more
+        return {k: probs[k] / z for k in keys}, tokens + more, cached + more_cached
 
     @staticmethod
     def _answer(row: J.Row, p: list[float]) -> dict:
@@ -311,45 +365,49 @@ class StartLuxDecision:
         best = max(dist, key=dist.get)
         return {"type": "choice", "choice": best, "confidence": dist[best], "probabilities": dist}
 
-    def _finish(self, prep: _Prepared, probs: list[list[float]]) -> tuple[dict, dict]:
+    def _finish(self, prep: _Prepared, probs: list[list[float]], owners: dict) -> tuple[dict, dict]:
         answers = dict(prep.answers)
         tokens = sum(len(p.ids) for p in prep.prompts)
+        cached = sum(p.cached for p in prep.prompts)
         for prompt, p in zip(prep.prompts, probs):
             answers[prompt.key] = self._answer(prompt.row, p)
         for key, first_prompts in prep.wide.items():
-            dist, n = self._wide(prep.state_text, prep.questions[key], key, first_prompts)
-            tokens += n
+            dist, n, c = self._wide(prep, prep.questions[key], key, owners, first_prompts[0].request, first_prompts)
+            tokens, cached = tokens + n, cached + c
             best = max(dist, key=dist.get)
             answers[key] = {"type": "choice", "choice": best, "confidence": dist[best], "probabilities": dist}
         ordered = {k: answers[k] for k in prep.questions}
-        return ordered, {"input_tokens": tokens, "output_tokens": 0}
+        return ordered, {"input_tokens": tokens, "output_tokens": 0, "input_tokens_details": {"cached_tokens": cached}}
 
     # ---- public API
     def decide(self, state, questions: dict) -> tuple[dict, dict]:
         """One request -> (answers, usage). On CUDA its questions replay one recorded graph when one fits."""
         prep = self.prepare(state, questions)
-        return self._finish(prep, self._probs(prep.prompts))
+        owners: dict = {}
+        return self._finish(prep, self._probs(prep.prompts, owners), owners)
 
     def decide_batch(self, requests: list, with_usage: bool = False, return_exceptions: bool = False) -> list:
-        """[(state, questions), ...] -> [answers, ...] (or [(answers, usage), ...] with `with_usage`). Every question
-        of every request goes through one length-sorted set of padded eager passes. With `return_exceptions`, a bad
-        request's slot holds its DecisionValidationError and the others are still answered."""
+        """[(state, questions), ...] -> [answers, ...] (or [(answers, usage), ...] with `with_usage`). Requests
+        that carry the same state share its prefix pass, and the tails of every request share passes as
+        `passes.plan` decides. With `return_exceptions`, a bad request's slot holds its DecisionValidationError and
+        the others are still answered."""
         preps: list = []
-        for state, questions in requests:
+        for i, (state, questions) in enumerate(requests):
             try:
-                preps.append(self.prepare(state, questions))
+                preps.append(self.prepare(state, questions, request=i))
             except DecisionValidationError as e:
                 if not return_exceptions:
                     raise
                 preps.append(e)
+        owners: dict = {}
         flat = [p for prep in preps if isinstance(prep, _Prepared) for p in prep.prompts]
-        probs = self._probs(flat, use_graphs=False)
+        probs = self._probs(flat, owners, use_graphs=False)
         out, i = [], 0
         for prep in preps:
             if not isinstance(prep, _Prepared):
                 out.append(prep)
                 continue
-            answers, usage = self._finish(prep, probs[i:i + len(prep.prompts)])
+            answers, usage = self._finish(prep, probs[i:i + len(prep.prompts)], owners)
             i += len(prep.prompts)
             out.append((answers, usage) if with_usage else answers)
         return out
@@ -359,5 +417,5 @@ class StartLuxDecision:
         if not self.graphs:
             return 0.0
         prep = self.prepare(state, questions)
-        graphed, eager = self._probs(prep.prompts), self._probs(prep.prompts, use_graphs=False)
+        graphed, eager = self._probs(prep.prompts, {}), self._probs(prep.prompts, {}, use_graphs=False)
         return max((abs(a - b) for pg, pe in zip(graphed, eager) for a, b in zip(pg, pe)), default=0.0)

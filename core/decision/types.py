@@ -53,9 +53,14 @@ class ScoreAnswer(BaseModel):
 Answer = Annotated[Union[ChoiceAnswer, NoulAnswer, ScoreAnswer], Field(discriminator="type")]
 
 
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0            # prompt tokens whose state came from the prefix cache, not computed
+
+
 class Usage(BaseModel):
-    input_tokens: int
+    input_tokens: int                 # tokens of every prompt as rendered
     output_tokens: int = 0
+    input_tokens_details: InputTokensDetails = InputTokensDetails()
 
 
 class DecisionResponse(BaseModel):

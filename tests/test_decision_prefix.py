@@ -1,0 +1,221 @@
+"""The decision scorer's shared state: prefix passes, the prefix cache and pass planning, against full prompts."""
+import itertools
+import random
+
+import pytest
+import torch
+
+from core.decision import StartLuxDecision
+from core.decision.passes import PassCost, plan
+from core.decision.prefix_cache import PrefixCache
+from tests.decision_fixtures import build_checkpoint
+from tests.systemone_requests import REQUESTS
+
+WORDS = "the cat dog red blue green apple pear plum city river one two three".split()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(str(tmp_path_factory.mktemp("decision_prefix")), seed=3)
+
+
+@pytest.fixture(scope="module")
+def full(ckpt):
+    """The reference: every prompt run whole (the seed's way), same rendering."""
+    return StartLuxDecision(ckpt, device="cpu", share_prefix=False)
+
+
+@pytest.fixture
+def shared(ckpt):
+    """A fresh scorer per test, so the prefix cache starts empty."""
+    return StartLuxDecision(ckpt, device="cpu", max_batch_tokens=4096)
+
+
+def text(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def questions(rng, n, long_tail_every=0):
+    qs = {}
+    for i in range(n):
+        kind = ("choice", "noul", "score")[i % 3]
+        instructions = text(rng, 40 if long_tail_every and i % long_tail_every == 0 else 4)
+        if kind == "choice":
+            qs[f"q{i}"] = {"instructions": instructions, "criteria": {f"o{j}": text(rng, 2) for j in range(2 + i % 4)}}
+        elif kind == "noul":
+            qs[f"q{i}"] = {"type": "noul", "instructions": instructions}
+        else:
+            qs[f"q{i}"] = {"type": "score", "instructions": instructions, "criteria": [text(rng, 1) for _ in range(4)]}
+    return qs
+
+
+def assert_same(a: dict, b: dict, tol=1e-4):
+    assert list(a) == list(b)
+    for k in a:
+        for field in ("probabilities", "noul", "score", "confidence"):
+            if field in a[k]:
+                assert a[k][field] == pytest.approx(b[k][field], abs=tol), (k, field)
+        if "choice" in a[k]:
+            pa = a[k]["probabilities"]
+            assert max(pa.values()) - pa[b[k]["choice"]] < tol
+
+
+def test_one_and_eight_questions_match_full_prompts(shared, full):
+    rng = random.Random(0)
+    state = text(rng, 300)
+    for n in (1, 8):
+        qs = questions(rng, n)
+        got, usage = shared.decide(state, qs)
+        ref, ref_usage = full.decide(state, qs)
+        assert_same(got, ref)
+        assert usage["input_tokens"] == ref_usage["input_tokens"]
+
+
+def test_tails_of_very_different_lengths(shared, full):
+    rng = random.Random(1)
+    qs = questions(rng, 7, long_tail_every=3)
+    lengths = {len(p.tail) for p in shared.prepare("s", qs).prompts}
+    assert max(lengths) > 3 * min(lengths)
+    state = text(rng, 120)
+    assert_same(shared.decide(state, qs)[0], full.decide(state, qs)[0])
+
+
+def test_tournament_over_60_options_matches(shared, full):
+    rng = random.Random(2)
+    criteria = {f"k{i}": text(rng, 2) for i in range(60)}
+    qs = {"w": {"instructions": "which one", "criteria": criteria}, "n": {"type": "noul", "instructions": "is it"}}
+    state = text(rng, 200)
+    got, usage = shared.decide(state, qs)
+    ref, ref_usage = full.decide(state, qs)
+    assert_same(got, ref)
+    assert usage["input_tokens"] == ref_usage["input_tokens"]
+
+
+def test_cut_state_is_cut_once_and_matches(ckpt):
+    rng = random.Random(3)
+    shared = StartLuxDecision(ckpt, device="cpu", max_length=160)
+    full = StartLuxDecision(ckpt, device="cpu", max_length=160, share_prefix=False)
+    state = text(rng, 400) + " FINAL"
+    qs = questions(rng, 5, long_tail_every=2)
+    prep = shared.prepare(state, qs)
+    assert len({tuple(p.prefix) for p in prep.prompts}) == 1           # one cut for every question
+    assert max(len(p.ids) for p in prep.prompts) == 160
+    assert shared.tok.decode(prep.prefix).rstrip().endswith("FINAL")
+    got, usage = shared.decide(state, qs)
+    assert_same(got, full.decide(state, qs)[0])
+    assert usage["input_tokens"] == sum(len(p.ids) for p in prep.prompts)
+
+
+def test_batch_of_states_of_different_lengths(shared, full):
+    rng = random.Random(4)
+    reqs = [(text(rng, n), questions(rng, k)) for n, k in ((10, 2), (400, 3), (0, 2), (150, 1), (400, 4))]
+    reqs.append((reqs[1][0], questions(rng, 2)))          # a second request about the same state
+    reqs += [(r["state"], r["questions"]) for r in REQUESTS.values()]
+    batched = shared.decide_batch(reqs, with_usage=True)
+    for (state, qs), (answers, usage) in zip(reqs, batched):
+        ref, ref_usage = full.decide(state, qs)
+        assert_same(answers, ref)
+        assert usage["input_tokens"] == ref_usage["input_tokens"]
+    # the repeated state was computed once: its second request reports it as cached
+    state_tokens = len(shared.prepare(reqs[1][0], reqs[1][1]).prefix)
+    assert batched[1][1]["input_tokens_details"]["cached_tokens"] == 0
+    assert batched[5][1]["input_tokens_details"]["cached_tokens"] == 2 * state_tokens
+
+
+def test_prefix_cache_hit_and_miss(shared, full):
+    rng = random.Random(5)
+    state, qs = text(rng, 250), questions(rng, 4)
+    first, u1 = shared.decide(state, qs)
+    stats = shared.prefix_cache.stats()
+    assert u1["input_tokens_details"]["cached_tokens"] == 0 and stats["hit_tokens"] == 0
+    again, u2 = shared.decide(state, questions(rng, 3))           # other questions about the same state: a hit
+    prefix = len(shared.prepare(state, qs).prefix)
+    assert u2["input_tokens_details"]["cached_tokens"] == 3 * prefix
+    assert shared.prefix_cache.stats()["hit_tokens"] == prefix
+    calls = []
+    original = shared._prefix_state
+    shared._prefix_state = lambda ids: calls.append(len(ids)) or original(ids)
+    hit, _ = shared.decide(state, qs)
+    assert not calls, "a cached prefix is not computed again"
+    assert_same(hit, first, tol=1e-5)
+    assert_same(hit, full.decide(state, qs)[0])
+
+
+def test_prefix_cache_stays_within_its_bound_and_evicts_lru(ckpt, full):
+    rng = random.Random(6)
+    probe = StartLuxDecision(ckpt, device="cpu")
+    probe.decide(text(rng, 200), questions(rng, 1))
+    one = probe.prefix_cache.bytes                      # the size of one ~200-token prefix state
+    s = StartLuxDecision(ckpt, device="cpu", prefix_cache_bytes=int(3.5 * one))
+    states = [text(rng, 200) for _ in range(8)]
+    qs = questions(rng, 2)
+    for st in states:
+        s.decide(st, qs)
+        assert s.prefix_cache.bytes <= s.prefix_cache.capacity_bytes
+    held = [st for st in states if s.prepare(st, qs).prefix in s.prefix_cache]
+    assert held == states[-len(held):] and 1 <= len(held) <= 3      # the most recent, in order
+    s.decide(states[-len(held)], qs)                    # touch the oldest held one: it becomes the newest
+    s.decide(text(rng, 200), qs)                        # a new state evicts the least recently used
+    assert s.prepare(states[-len(held)], qs).prefix in s.prefix_cache
+    evicted = states[0]
+    assert s.prepare(evicted, qs).prefix not in s.prefix_cache
+    got, usage = s.decide(evicted, qs)                  # recomputed after eviction, and right
+    assert usage["input_tokens_details"]["cached_tokens"] == 0
+    assert_same(got, full.decide(evicted, qs)[0])
+
+
+def test_prefix_cache_unit():
+    from core.decision.prefix_cache import PrefixState
+
+    def state(n):
+        return PrefixState(n, ["full_attention"], [(torch.zeros(1, 1, n, 2), torch.zeros(1, 1, n, 2))])
+
+    c = PrefixCache(capacity_bytes=state(10).nbytes * 2)
+    c.put([1], state(10))
+    c.put([2], state(10))
+    assert c.get([1]) is not None                       # 1 is now the most recent
+    c.put([3], state(10))
+    assert [2] not in c and [1] in c and [3] in c and c.bytes == 2 * state(10).nbytes
+    c.put([4], state(30))                               # larger than the whole cache: not kept
+    assert [4] not in c and len(c) == 2
+    assert c.stats()["query_tokens"] == 1 and c.stats()["hit_tokens"] == 1
+
+
+def brute_force(rows, max_positions, cost):
+    """Every partition of the length-sorted rows into consecutive passes."""
+    order = sorted(range(len(rows)), key=lambda i: (-rows[i][0], -rows[i][1]))
+    best = None
+    for cuts in itertools.product([0, 1], repeat=len(order) - 1):
+        groups, cur = [], [order[0]]
+        for c, i in zip(cuts, order[1:]):
+            if c:
+                groups.append(cur)
+                cur = []
+            cur.append(i)
+        groups.append(cur)
+        total = 0.0
+        for g in groups:
+            L, T = max(rows[i][0] for i in g), max(rows[i][1] for i in g)
+            if len(g) > 1 and len(g) * (L + T) > max_positions:
+                break
+            total += cost.of_pass(len(g), L, T)
+        else:
+            best = total if best is None else min(best, total)
+    return best
+
+
+def test_plan_is_optimal_bounded_and_never_worse_than_one_pass_each():
+    rng = random.Random(7)
+    for device in ("cpu", "cuda"):
+        cost = PassCost(token_flops=1e6, key_flops=4e3, overhead_tokens=64 if device == "cpu" else 2048)
+        for _ in range(30):
+            rows = [(rng.choice([0, 50, 300, 1000]), rng.randint(5, 80)) for _ in range(rng.randint(1, 9))]
+            passes = plan(rows, 4096, cost)
+            assert sorted(i for p in passes for i in p) == list(range(len(rows)))
+            total = 0.0
+            for p in passes:
+                L, T = max(rows[i][0] for i in p), max(rows[i][1] for i in p)
+                assert len(p) == 1 or len(p) * (L + T) <= 4096
+                total += cost.of_pass(len(p), L, T)
+            assert total == pytest.approx(brute_force(rows, 4096, cost))
+            assert total <= sum(cost.of_pass(1, L, T) for L, T in rows) + 1e-6

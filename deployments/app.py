@@ -40,6 +40,7 @@ class AppArgs(BaseModel):
     decision_max_batch_tokens: int = 65536
     decision_graphs: bool = True
     decision_prefix_cache_mb: float = Field(256, ge=0)   # prefix states kept across decision requests (0: none)
+    decision_torch_threads: int | None = None       # torch intra-op threads of the decision model (None: torch's)
     api_keys: list[str] = []                        # prefer api_keys_env: keys in a config file leak
     api_keys_env: str | None = None                 # name of an env var holding comma-separated keys
     max_body_bytes: int = 1_000_000
@@ -68,7 +69,8 @@ def wire(a: AppArgs, options: dict[str, dict] | None = None) -> Application:
         a.chat_cuda_graphs, a.chat_engine_cpu_policy, a.chat_stream_interval)
     decision = DecisionModel.options(**options.get("DecisionModel", {})).bind(
         os.path.abspath(a.decision_checkpoint), a.device, a.decision_model_name, a.decision_max_length,
-        a.decision_max_batch_tokens, a.decision_graphs, tuple(a.decision_model_aliases), a.decision_prefix_cache_mb)
+        a.decision_max_batch_tokens, a.decision_graphs, tuple(a.decision_model_aliases), a.decision_prefix_cache_mb,
+        a.decision_torch_threads)
     return Ingress.options(**options.get("Ingress", {})).bind(
         chat, decision, keys, a.max_body_bytes, a.max_messages, a.max_message_chars, a.max_n, a.max_questions,
         a.retry_timeout_s)

@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections import Counter as Tally
 
+import torch
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
@@ -33,7 +34,9 @@ def validation_error(e: DecisionValidationError) -> dict:
 class DecisionModel:
     def __init__(self, checkpoint: str, device: str | None = None, model_name: str = "startlux-decision",
                  max_length: int = 65536, max_batch_tokens: int = 65536, graphs: bool = True,
-                 model_aliases: tuple[str, ...] = (), prefix_cache_mb: float = 256):
+                 model_aliases: tuple[str, ...] = (), prefix_cache_mb: float = 256, torch_threads: int | None = None):
+        if torch_threads:       # Ray sets OMP_NUM_THREADS to the replica's whole CPUs (at least 1) otherwise
+            torch.set_num_threads(torch_threads)
         self.scorer = StartLuxDecision(checkpoint, device=device, max_length=max_length,
                                        max_batch_tokens=max_batch_tokens, graphs=graphs,
                                        prefix_cache_bytes=int(prefix_cache_mb * (1 << 20)))
@@ -59,7 +62,8 @@ class DecisionModel:
         self._batched.set_batch_wait_timeout_s(float(user_config.get("batch_wait_timeout_s", 0.01)))
 
     def info(self) -> dict:
-        return {"id": self.name, "aliases": self.aliases, "max_length": self.scorer.max_length}
+        return {"id": self.name, "aliases": self.aliases, "max_length": self.scorer.max_length,
+                "torch_threads": torch.get_num_threads()}
 
     def stats(self) -> dict:
         return {"batches": sum(self.batch_sizes.values()), "largest_batch": max(self.batch_sizes, default=0),

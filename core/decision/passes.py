@@ -4,8 +4,9 @@ Each tail continues from its prefix's state (prefix_cache.py). Tails in one pass
 longest, and the prefixes' keys are left-padded to the longest prefix, so a pass over n rows costs about
 n x longest tail x (the model's per-token work + attention over longest prefix + tail), plus a fixed cost per
 pass (operator dispatch, kernel launches). Padding is work for nothing; every extra pass pays the fixed cost
-again. `plan` splits the rows into passes that minimise the sum, within a bound on the positions one pass holds
-(the keys it reads plus the tokens it computes). Splitting every row into its own pass is among the plans it
+again. `plan` splits the rows into passes that minimise the sum, within two bounds: the tokens a pass computes
+(rows x longest tail, the activations) and the positions its cache holds (rows x (longest prefix + longest
+tail), the keys and values; cheap next to activations, so `HELD_PER_COMPUTED` times as many). Splitting every row into its own pass is among the plans it
 weighs, so a batch is never planned to cost more than running its rows one request at a time.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 # dispatch of a small model; on a GPU, kernel launches, which bound small passes there.
 PASS_OVERHEAD_TOKENS = {"cpu": 64, "cuda": 2048}
 MAX_ROWS_PER_PASS = 256
+HELD_PER_COMPUTED = 16
 
 
 @dataclass(frozen=True)
@@ -39,10 +41,11 @@ class PassCost:
                 + rows * tail * (self.token_flops + self.key_flops * (prefix + tail)))
 
 
-def plan(rows: list[tuple[int, int]], max_positions: int, cost: PassCost) -> list[list[int]]:
+def plan(rows: list[tuple[int, int]], max_tokens: int, cost: PassCost) -> list[list[int]]:
     """rows: (prefix length, tail length) per tail -> passes, each a list of row indices. Rows are ordered by
-    prefix then tail length (longest first) and cut into consecutive passes by dynamic programming; a pass holds
-    at most `max_positions` positions (rows x (longest prefix + longest tail)) unless it is a single row."""
+    prefix then tail length (longest first) and cut into consecutive passes by dynamic programming; a pass of
+    more than one row computes at most `max_tokens` tokens (rows x longest tail) and holds at most
+    `HELD_PER_COMPUTED * max_tokens` positions (rows x (longest prefix + longest tail))."""
     order = sorted(range(len(rows)), key=lambda i: (-rows[i][0], -rows[i][1]))
     n = len(order)
     best = [0.0] + [float("inf")] * n
@@ -53,7 +56,8 @@ def plan(rows: list[tuple[int, int]], max_positions: int, cost: PassCost) -> lis
             longest_tail = max(longest_tail, rows[order[start]][1])
             longest_prefix = rows[order[start]][0]       # the order puts the longest prefix first
             size = end - start
-            if size > 1 and size * (longest_prefix + longest_tail) > max_positions:
+            if size > 1 and (size * longest_tail > max_tokens
+                             or size * (longest_prefix + longest_tail) > HELD_PER_COMPUTED * max_tokens):
                 break
             c = best[start] + cost.of_pass(size, longest_prefix, longest_tail)
             if c < best[end]:

@@ -9,6 +9,8 @@ each other's GIL; `engine_process=False` keeps it on a thread of the replica.
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -17,8 +19,8 @@ from typing import AsyncIterator
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from core.chat import (ChatPrompter, EngineError, EngineFull, PromptError, SamplingError, SamplingParams,
-                       load_chat_defaults, load_chat_tokenizer)
+from core.chat import (ChatPrompter, ChatTokenizer, EngineError, EngineFull, PromptError, SamplingError,
+                       SamplingParams, load_chat_defaults, load_chat_tokenizer)
 from core.chat.engine_process import EngineDied, EngineSpec, start_engine
 
 from .errors import error
@@ -67,7 +69,47 @@ def sampling_params(p: dict, defaults) -> SamplingParams:
         temperature=defaults.temperature if p.get("temperature") is None else p["temperature"],
         top_k=defaults.top_k if p.get("top_k") is None else p["top_k"],
         top_p=defaults.top_p if p.get("top_p") is None else p["top_p"],
-        seed=p.get("seed"), n=p.get("n") or 1, stop=list(p.get("stop") or []), ignore_eos=bool(p.get("ignore_eos")))
+        seed=p.get("seed"), n=p.get("n") or 1, stop=list(p.get("stop") or []), ignore_eos=bool(p.get("ignore_eos")),
+        presence_penalty=p.get("presence_penalty") or 0.0, frequency_penalty=p.get("frequency_penalty") or 0.0,
+        repetition_penalty=p.get("repetition_penalty") or 1.0,
+        logit_bias={int(k): float(v) for k, v in (p.get("logit_bias") or {}).items()}, logprobs=p.get("logprobs"))
+
+
+def token_entry(tok: ChatTokenizer, token_id: int, logprob: float) -> dict:
+    """A token as OpenAI's logprobs show it: its text, its UTF-8 bytes, its logprob. A special token shows its
+    name and has no bytes; a token that is part of a multi-byte character shows U+FFFD and its own bytes."""
+    raw = tok.token_bytes(token_id)
+    text = raw.decode("utf-8", errors="replace") if raw or not tok.is_special(token_id) else tok.decode([token_id])
+    return {"token": text, "bytes": list(raw), "logprob": logprob}
+
+
+async def merged(streams: list, n: int) -> AsyncIterator[list]:
+    """Several engine streams (one per prompt, each of n samples) as one: a batch of events whenever any stream has
+    one, each event's sample index moved to prompt * n + sample (OpenAI's choice order)."""
+    if len(streams) == 1:
+        async for batch in streams[0]:
+            yield batch
+        return
+    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                try:
+                    batch = fut.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                yield [dataclasses.replace(ev, index=i * n + ev.index) for ev in batch]
+    finally:
+        for fut in pending:
+            fut.cancel()
+
+
+async def close_all(streams: list) -> None:
+    for s in streams:
+        await s.aclose()
 
 
 @serve.deployment(name="ChatModel")
@@ -90,6 +132,7 @@ class ChatModel:
         self.name = model_name or os.path.basename(os.path.normpath(checkpoint))
         self.metrics = ChatMetrics(self.name)
         tok, cfg = load_chat_tokenizer(checkpoint)
+        self.tok = tok
         self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot)
         spec = EngineSpec(checkpoint, device, max_rows, prefill_chunk, max_waiting, self.prompter.prefix_ids,
                           torch_threads, cuda_graphs, engine_cpu_policy)
@@ -100,6 +143,7 @@ class ChatModel:
 
     def info(self) -> dict:
         return {"id": self.name, "sequence_len": self.sequence_len, "max_n": self.engine.max_rows,
+                "vocab_size": self.tok.vocab_size,
                 "defaults": self.defaults.to_dict() | {"fewshot": len(self.defaults.fewshot)}}
 
     def stats(self) -> dict:
@@ -107,31 +151,67 @@ class ChatModel:
         return {"running": s.running, "waiting": s.waiting, "rows_used": s.rows_used, "rows_total": s.rows_total,
                 "kv_cache_usage": s.cache_usage, "engine": type(self.engine).__name__}
 
+    def detokenize(self, ids: list[int]) -> str:
+        """Token ids as text, without <|bos|> (a completion's echo of a token-id prompt)."""
+        return self.tok.decode([i for i in ids if i != self.tok.bos_id])
+
     def check_health(self) -> None:
         if not self.engine.alive():
             raise RuntimeError("the chat engine has stopped")
 
+    def _prompt_ids(self, request: dict, params: SamplingParams) -> list[list[int]]:
+        """The chat template over `messages`, or the raw `prompts` of a completion (text or token ids), each
+        after <|bos|> as the model was trained."""
+        if "messages" in request:
+            return [self.prompter.render(request["messages"], params.max_tokens).ids]
+        out = []
+        for i, p in enumerate(request["prompts"]):
+            ids = self.tok.encode(p) if isinstance(p, str) else list(p)
+            ids = ids if ids[:1] == [self.tok.bos_id] else [self.tok.bos_id] + ids
+            if len(ids) + params.max_tokens > self.sequence_len:
+                raise PromptError(f"prompt {i} has {len(ids)} tokens; with max_tokens {params.max_tokens} it does "
+                                  f"not fit the model's context of {self.sequence_len}", "prompt")
+            out.append(ids)
+        return out
+
+    def _event(self, ev) -> dict:
+        out = {"index": ev.index, "text": ev.text, "segment": ev.segment, "token": ev.token, "forced": ev.forced,
+               "closes": ev.closes, "finish_reason": ev.finish_reason, "prompt_tokens": ev.prompt_tokens,
+               "completion_tokens": ev.completion_tokens, "cached_tokens": ev.cached_tokens}
+        if ev.logprob is not None:
+            out["logprob"] = token_entry(self.tok, ev.token, ev.logprob) | {
+                "top_logprobs": [token_entry(self.tok, t, lp) for t, lp in ev.top_logprobs]}
+        return out
+
     async def generate(self, request: dict) -> AsyncIterator[list[dict]]:
-        """request: {"messages": [...], "params": {...}} -> lists of events, each {"index", "text", "segment",
-        "token", "forced", "closes", "finish_reason", "prompt_tokens", "completion_tokens"}: every event ready at
-        that moment travels in one message (once text has gone out, held until `stream_interval` tokens have
-        gathered or a sample ends). A bad request yields one [{"error": ...}] instead."""
+        """request: {"messages": [...] | "prompts": [text | token ids, ...], "params": {...}} -> lists of events,
+        each {"index", "text", "segment", "token", "forced", "closes", "finish_reason", "prompt_tokens",
+        "completion_tokens", "cached_tokens"} (and "logprob" when asked): every event ready at that moment travels
+        in one message (once text has gone out, held until `stream_interval` tokens have gathered or a sample
+        ends). With several prompts, sample i of prompt p has index p * n + i. A bad request yields one
+        [{"error": ...}] instead."""
         arrival = time.monotonic()
+        streams = []
         try:
             params = sampling_params(request.get("params", {}), self.defaults)
-            prompt = self.prompter.render(request["messages"], params.max_tokens)
-            stream = self.engine.generate(prompt.ids, params)
+            prompts = self._prompt_ids(request, params)
+            for ids in prompts:
+                streams.append(self.engine.generate(ids, params))
+            stream = merged(streams, params.n)
             batch = await stream.__anext__()
         except (PromptError, SamplingError, EngineError) as e:
+            await close_all(streams)
             yield [error(str(e), param=getattr(e, "param", None))]
             return
         except EngineFull as e:
+            await close_all(streams)
             yield [error(f"the chat model is at capacity: {e}", "overloaded_error")]
             return
         except EngineDied:
+            await close_all(streams)
             yield [error("the chat engine stopped; retry the request", "server_error")]
             return
-        self.metrics.prompted.inc(len(prompt.ids))
+        self.metrics.prompted.inc(sum(len(ids) for ids in prompts))
         last: dict[int, float] = {}
         out: list[dict] = []            # events not yet sent
         held = 0                        # tokens among them
@@ -151,9 +231,7 @@ class ChatModel:
                     if ev.finish_reason == "error":
                         yield out + [error("the model failed while generating", "server_error")]
                         return
-                    out.append({"index": ev.index, "text": ev.text, "segment": ev.segment, "token": ev.token,
-                                "forced": ev.forced, "closes": ev.closes, "finish_reason": ev.finish_reason,
-                                "prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens})
+                    out.append(self._event(ev))
                 if tokens:
                     self.metrics.generated.inc(tokens)
                 held += tokens
@@ -170,6 +248,7 @@ class ChatModel:
             yield out + [error("the chat engine stopped while generating; retry the request", "server_error")]
         finally:
             await stream.aclose()
+            await close_all(streams)
 
     def __del__(self):
         engine = getattr(self, "engine", None)

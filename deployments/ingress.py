@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from core.decision.types import DecisionRequest
 
 from .errors import CODE_STATUS, STATUS, error
-from .openai_api import ChatCompletionRequest, Completion, sse
+from .openai_api import ChatCompletionRequest, Completion, TextCompletion, TextCompletionRequest, sse, unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -169,10 +169,15 @@ class Ingress:
         chat, decision = await asyncio.gather(self.chat.stats.remote(), self.decision.stats.remote())
         return {"chat": chat, "decision": decision}
 
-    async def _parse(self, request: Request, schema):
-        """Key check, bounded body, JSON, schema: a parsed request or an APIError."""
+    async def _parse(self, request: Request, schema, openai: bool = False):
+        """Key check, bounded body, JSON, (for OpenAI routes) no unsupported parameter, schema: a parsed request or
+        an APIError."""
         self._authorize(request)
         data = await self._json(request)
+        if openai and (bad := unsupported(data)):
+            name, what = bad
+            raise APIError(error(f"`{name}` is not supported by this service ({what}); send the request without it",
+                                 param=name, code="unsupported_parameter"))
         try:
             return schema.model_validate(data)
         except ValidationError as e:
@@ -200,13 +205,44 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        req = await self._parse(request, ChatCompletionRequest)
-        info = await self.chat_info()
-        if req.model is not None and req.model != info["id"]:
-            raise APIError(error(f"unknown model {req.model!r}; this service serves {info['id']!r}",
-                                 "not_found_error", "model", "model_not_found"))
+        req = await self._parse(request, ChatCompletionRequest, openai=True)
+        info = await self._chat_model(req.model)
         self._check_limits(req, info)
+        self._check_sampling(req, req.max_completion_tokens or req.max_tokens, info)
         payload = {"messages": [m.for_prompter() for m in req.messages], "params": req.params()}
+        return await self._generate(payload, Completion(info["id"], req.n, logprobs=req.logprobs), req)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        req = await self._parse(request, TextCompletionRequest, openai=True)
+        info = await self._chat_model(req.model)
+        prompts = req.prompts()
+        if len(prompts) * req.n > min(self.max_n, info["max_n"]):
+            raise APIError(error(f"prompts x n must be at most {min(self.max_n, info['max_n'])}", param="n"))
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str) and max(p) >= info["vocab_size"]:
+                raise APIError(error(f"prompt {i}: token ids must be below the vocabulary size {info['vocab_size']}",
+                                     param="prompt"))
+            if len(p) > self.max_message_chars:
+                raise APIError(error(f"prompt {i} has {len(p)} {'characters' if isinstance(p, str) else 'tokens'}; "
+                                     f"the limit is {self.max_message_chars}", param="prompt"))
+        self._check_sampling(req, req.max_tokens, info)
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else await self.chat.detokenize.remote(p) for p in prompts]
+        completion = TextCompletion(info["id"], req.n, len(prompts), logprobs=req.logprobs is not None, echo=echo)
+        return await self._generate({"prompts": prompts, "params": req.params()}, completion, req)
+
+    async def _chat_model(self, model: str | None) -> dict:
+        info = await self.chat_info()
+        if model is not None and model != info["id"]:
+            raise APIError(error(f"unknown model {model!r}; this service serves {info['id']!r}",
+                                 "not_found_error", "model", "model_not_found"))
+        return info
+
+    async def _generate(self, payload: dict, completion: Completion, req):
+        """Start the generation on a chat replica (retried while no replica answers), then stream its chunks or
+        gather one response."""
         streams = []
 
         async def start():
@@ -221,7 +257,6 @@ class Ingress:
         if "error" in first[0]:
             stream.cancel()
             raise APIError(first[0])
-        completion = Completion(info["id"], req.n)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self._sse(stream, first, completion, include_usage),
@@ -283,10 +318,16 @@ class Ingress:
                                      param=f"messages[{i}].content"))
         if req.n > min(self.max_n, info["max_n"]):
             raise APIError(error(f"n must be at most {min(self.max_n, info['max_n'])}", param="n"))
-        max_tokens = req.max_completion_tokens or req.max_tokens
+
+    @staticmethod
+    def _check_sampling(req, max_tokens: int | None, info: dict) -> None:
         if max_tokens is not None and max_tokens >= info["sequence_len"]:
             raise APIError(error(f"max_tokens must be below the model's context of {info['sequence_len']} tokens",
                                  param="max_tokens"))
+        vocab = info["vocab_size"]
+        if req.logit_bias and max(req.logit_bias) >= vocab:
+            raise APIError(error(f"logit_bias token ids must be below the vocabulary size {vocab}",
+                                 param="logit_bias"))
 
     async def _retrying(self, call, what: str):
         """Await `call()`; when the replica serving it is lost, call again (with backoff) until retry_timeout_s."""

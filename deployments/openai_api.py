@@ -1,4 +1,4 @@
-"""OpenAI chat-completions request models and response shaping (the HTTP boundary, pydantic)."""
+"""OpenAI chat and text completions: request models and response shaping (the HTTP boundary, pydantic)."""
 from __future__ import annotations
 
 import json
@@ -7,6 +7,8 @@ import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from core.chat.sampler import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 
 class ContentPart(BaseModel):
@@ -33,17 +35,41 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    messages: list[Message] = Field(min_length=1)
+# Parameters of OpenAI's API that change what is generated and that this service does not implement: a request
+# that sends one gets a 400 naming it, never a reply that silently differs from what it asked for.
+UNSUPPORTED = {
+    "tools": "tool definitions (the calculator is the model's own built-in tool; its calls come in `parts`)",
+    "tool_choice": "tool choice", "functions": "function definitions", "function_call": "function calls",
+    "parallel_tool_calls": "tool calls", "audio": "audio output", "modalities": "output modalities",
+    "prediction": "predicted outputs", "web_search_options": "web search", "reasoning_effort": "reasoning effort",
+    "verbosity": "verbosity", "suffix": "suffix insertion", "best_of": "best_of",
+}
+
+
+def unsupported(data: dict) -> tuple[str, str] | None:
+    """The first parameter in a request body that is not supported, with what it asks for; None when all are."""
+    for name, what in UNSUPPORTED.items():
+        if name in data and data[name] is not None:
+            if name == "best_of" and data[name] in (1, data.get("n", 1)):
+                continue            # best_of equal to n is plain sampling
+            return name, what
+    fmt = data.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        return "response_format", "structured output (only {\"type\": \"text\"} is supported)"
+    return None
+
+
+class SamplingFields(BaseModel):
+    """The sampling parameters chat and text completions share."""
+
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
@@ -51,6 +77,19 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False     # vLLM's extension: always generate max_tokens (fixed-length benchmarks)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)   # vLLM's extension
+    logit_bias: dict[int, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    response_format: dict | None = None        # only {"type": "text"} (checked by `unsupported`)
+    best_of: int | None = None                 # only equal to n (checked by `unsupported`)
+    # accepted, and without effect on generation (bookkeeping fields of OpenAI's API)
+    user: str | None = None
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -62,43 +101,120 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("stop takes up to 4 non-empty strings")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for tok, bias in (v or {}).items():
+            if tok < 0:
+                raise ValueError(f"logit_bias keys are token ids, got {tok}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
+        return v
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict:
+        return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "n": self.n, "seed": self.seed, "stop": self.stop, "ignore_eos": self.ignore_eos,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias or {},
+                "logprobs": logprobs}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
     @model_validator(mode="after")
-    def _one_max(self):
+    def _checks(self):
         if self.max_tokens and self.max_completion_tokens and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree; send one")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
 
     def params(self) -> dict:
-        return {"max_tokens": self.max_completion_tokens or self.max_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "top_k": self.top_k, "n": self.n, "seed": self.seed, "stop": self.stop,
-                "ignore_eos": self.ignore_eos}
+        return self.sampling(self.max_completion_tokens or self.max_tokens,
+                             (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class TextCompletionRequest(SamplingFields):
+    """OpenAI's legacy completions: a raw prompt, no chat template."""
+
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    max_tokens: int = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _checks(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported: prompt tokens get no log-probabilities here")
+        if any(isinstance(x, list) and not x for x in self.prompt):
+            raise ValueError("a token-id prompt must not be empty")
+        if any(isinstance(x, int) and x < 0 for x in self.prompt) or any(
+                isinstance(x, list) and min(x) < 0 for x in self.prompt):
+            raise ValueError("token ids are not negative")
+        return self
+
+    def prompts(self) -> list:
+        """The prompt as a list of prompts, each text or token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or all(isinstance(x, int) for x in p) else list(p)
+
+    def params(self) -> dict:
+        return self.sampling(self.max_tokens, self.logprobs)
 
 
 class Completion:
-    """Accumulates engine events into OpenAI's chunk and completion objects."""
+    """Accumulates engine events into OpenAI's chat chunk and completion objects. With several prompts (text
+    completions), choice i belongs to prompt i // n."""
 
-    def __init__(self, model: str, n: int):
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+    prefix, chunk_object, object = "chatcmpl", "chat.completion.chunk", "chat.completion"
+
+    def __init__(self, model: str, n: int, prompts: int = 1, logprobs: bool = False):
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
-        self.text = [""] * n
-        self.parts: list[list[dict]] = [[] for _ in range(n)]
-        self.segment_text = [""] * n
-        self.segment_kind: list[str | None] = [None] * n
-        self.finish = [None] * n
-        self.prompt_tokens = 0
-        self.completion_tokens = [0] * n
+        self.n = n
+        choices = n * prompts
+        self.text = [""] * choices
+        self.parts: list[list[dict]] = [[] for _ in range(choices)]
+        self.segment_text = [""] * choices
+        self.segment_kind: list[str | None] = [None] * choices
+        self.finish = [None] * choices
+        self.prompt_tokens = [0] * prompts
+        self.cached_tokens = [0] * prompts
+        self.completion_tokens = [0] * choices
+        self.want_logprobs = logprobs
+        self.logprobs: list[list[dict]] = [[] for _ in range(choices)]     # every entry so far
+        self.unsent: list[list[dict]] = [[] for _ in range(choices)]       # entries no chunk has carried yet
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+        out = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
                "choices": choices}
         if usage is not None:
             out["usage"] = usage
         return out
 
+    def _choice_chunk(self, i: int, content: str | None = None, parts: list | None = None,
+                      finish: str | None = None) -> dict:
+        delta = {}
+        if content is not None:
+            delta["content"] = content
+        if parts is not None:
+            delta["parts"] = parts
+        choice = {"index": i, "delta": delta, "finish_reason": finish}
+        if self.want_logprobs:
+            choice["logprobs"] = {"content": self.unsent[i]} if self.unsent[i] else None
+            self.unsent[i] = []
+        return self._chunk([choice])
+
     def usage(self) -> dict:
-        c = sum(self.completion_tokens)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": c, "total_tokens": self.prompt_tokens + c}
+        p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
 
     def _add_part(self, i: int, kind: str, text: str) -> None:
         parts = self.parts[i]
@@ -107,18 +223,26 @@ class Completion:
         elif text or kind != "text":
             parts.append({"type": kind, "text": text})
 
+    def _record_logprob(self, i: int, entry: dict) -> None:
+        self.logprobs[i].append(entry)
+        self.unsent[i].append(entry)
+
     def feed(self, ev: dict) -> list[dict]:
         """One engine event -> the stream chunks it produces (possibly none). Text streams as `content`; a
-        calculator call or its output is sent whole, as one `parts` delta, when it closes."""
+        calculator call or its output is sent whole, as one `parts` delta, when it closes. A sampled token's
+        logprob entry rides on the next chunk of its choice."""
         i = ev["index"]
-        self.prompt_tokens = ev["prompt_tokens"]
+        self.prompt_tokens[i // self.n] = ev["prompt_tokens"]
+        self.cached_tokens[i // self.n] = ev.get("cached_tokens", 0)
         self.completion_tokens[i] = max(self.completion_tokens[i], ev["completion_tokens"])
+        if "logprob" in ev:
+            self._record_logprob(i, ev["logprob"])
         chunks = []
         if ev["segment"] == "text":
             if ev["text"]:
                 self.text[i] += ev["text"]
                 self._add_part(i, "text", ev["text"])
-                chunks.append(self._chunk([{"index": i, "delta": {"content": ev["text"]}, "finish_reason": None}]))
+                chunks.append(self._choice_chunk(i, content=ev["text"]))
         else:
             self.segment_text[i] += ev["text"]
             self.segment_kind[i] = ev["segment"]
@@ -128,15 +252,14 @@ class Completion:
             if self.segment_kind[i]:       # cut off inside a calculator call
                 chunks += self._end_segment(i)
             self.finish[i] = "length" if ev["finish_reason"] == "length" else "stop"
-            chunks.append(self._chunk([{"index": i, "delta": {}, "finish_reason": self.finish[i]}]))
+            chunks.append(self._choice_chunk(i, finish=self.finish[i]))
         return chunks
 
     def _end_segment(self, i: int) -> list[dict]:
         kind, text = self.segment_kind[i], self.segment_text[i]
         self.segment_kind[i], self.segment_text[i] = None, ""
         self._add_part(i, kind, text)
-        return [self._chunk([{"index": i, "delta": {"parts": [{"type": kind, "text": text}]},
-                              "finish_reason": None}])]
+        return [self._choice_chunk(i, parts=[{"type": kind, "text": text}])]
 
     def first_chunks(self) -> list[dict]:
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
@@ -151,8 +274,62 @@ class Completion:
             msg = {"role": "assistant", "content": text}
             if any(p["type"] != "text" for p in self.parts[i]):
                 msg["parts"] = self.parts[i]
-            choices.append({"index": i, "message": msg, "finish_reason": self.finish[i] or "stop"})
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+            choice = {"index": i, "message": msg, "finish_reason": self.finish[i] or "stop"}
+            if self.want_logprobs:
+                choice["logprobs"] = {"content": self.logprobs[i]}
+            choices.append(choice)
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+
+class TextCompletion(Completion):
+    """The same accumulation in the shapes of OpenAI's legacy completions (`text`, legacy `logprobs`). With
+    `echo`, each choice's text starts with its prompt's text."""
+
+    prefix, chunk_object, object = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, model: str, n: int, prompts: int = 1, logprobs: bool = False,
+                 echo: list[str] | None = None):
+        super().__init__(model, n, prompts, logprobs)
+        self.echo = echo
+        self.offsets: list[list[int]] = [[] for _ in self.text]      # text offset of each logprob entry
+
+    def _record_logprob(self, i: int, entry: dict) -> None:
+        super()._record_logprob(i, entry)
+        self.offsets[i].append(len(self.text[i]))
+
+    def _legacy(self, i: int, entries: list[dict]) -> dict:
+        offsets = self.offsets[i][len(self.offsets[i]) - len(entries):]
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "text_offset": offsets}
+
+    def _choice_chunk(self, i: int, content: str | None = None, parts: list | None = None,
+                      finish: str | None = None) -> dict:
+        choice = {"index": i, "text": content or "", "logprobs": None, "finish_reason": finish}
+        if parts is not None:
+            choice["parts"] = parts
+        if self.want_logprobs:
+            choice["logprobs"] = self._legacy(i, self.unsent[i])
+            self.unsent[i] = []
+        return self._chunk([choice])
+
+    def first_chunks(self) -> list[dict]:
+        if not self.echo:
+            return []
+        return [self._chunk([{"index": i, "text": self.echo[i // self.n], "logprobs": None, "finish_reason": None}])
+                for i in range(len(self.text))]
+
+    def response(self) -> dict:
+        choices = []
+        for i, text in enumerate(self.text):
+            choice = {"index": i, "text": (self.echo[i // self.n] if self.echo else "") + text,
+                      "logprobs": self._legacy(i, self.logprobs[i]) if self.want_logprobs else None,
+                      "finish_reason": self.finish[i] or "stop"}
+            if any(p["type"] != "text" for p in self.parts[i]):
+                choice["parts"] = self.parts[i]
+            choices.append(choice)
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
 
 

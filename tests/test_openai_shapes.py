@@ -1,11 +1,18 @@
 """OpenAI response shaping: calculator calls reach the client as `parts` and go back into the prompt."""
 from core.chat import ChatPrompter
-from deployments.openai_api import ChatCompletionRequest, Completion
+import pytest
+
+from deployments.openai_api import ChatCompletionRequest, Completion, TextCompletion, TextCompletionRequest, unsupported
 
 
-def ev(text, segment="text", token=1, finish=None, closes=False, forced=False, completion=1):
-    return {"index": 0, "text": text, "segment": segment, "token": token, "forced": forced, "closes": closes,
-            "finish_reason": finish, "prompt_tokens": 10, "completion_tokens": completion}
+def ev(text, segment="text", token=1, finish=None, closes=False, forced=False, completion=1, index=0, lp=None,
+       prompt=10, cached=0):
+    out = {"index": index, "text": text, "segment": segment, "token": token, "forced": forced, "closes": closes,
+           "finish_reason": finish, "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached}
+    if lp is not None:
+        out["logprob"] = {"token": text, "bytes": list(text.encode()), "logprob": lp,
+                          "top_logprobs": [{"token": text, "bytes": list(text.encode()), "logprob": lp}]}
+    return out
 
 
 def test_calculator_parts_stream_and_complete():
@@ -23,7 +30,8 @@ def test_calculator_parts_stream_and_complete():
     assert msg["content"] == "It is  so 42."      # plain clients see only the text
     assert msg["parts"] == [{"type": "text", "text": "It is "}, {"type": "python", "text": "6*7"},
                             {"type": "python_output", "text": "42"}, {"type": "text", "text": " so 42."}]
-    assert resp["usage"] == {"prompt_tokens": 10, "completion_tokens": 12, "total_tokens": 22}
+    assert resp["usage"] == {"prompt_tokens": 10, "completion_tokens": 12, "total_tokens": 22,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_parts_go_back_into_the_prompt(tokenizer):
@@ -44,3 +52,51 @@ def test_cut_inside_a_call_still_closes_the_part():
     chunks = c.feed(ev("", "python", token=None, finish="length"))
     assert chunks[0]["choices"][0]["delta"] == {"parts": [{"type": "python", "text": "1+"}]}
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_logprob_entries_ride_on_the_next_chunk_of_their_choice():
+    c = Completion("m", 1, logprobs=True)
+    chunks = []
+    for e in [ev("Hi", lp=-0.1), ev("", token=5, lp=-0.2), ev(" there", lp=-0.3, completion=3),
+              ev("", token=None, finish="stop", completion=3)]:
+        chunks += c.feed(e)
+    carried = [e["logprob"] for ch in chunks for e in ((ch["choices"][0]["logprobs"] or {}).get("content") or [])]
+    assert carried == [-0.1, -0.2, -0.3]               # the token without text goes with the next text chunk
+    resp = c.response()
+    assert [e["logprob"] for e in resp["choices"][0]["logprobs"]["content"]] == [-0.1, -0.2, -0.3]
+
+
+def test_text_completion_shapes_prompts_and_cached_tokens():
+    c = TextCompletion("m", 2, prompts=2, logprobs=True, echo=["p0 ", "p1 "])
+    for e in [ev("a", index=0, lp=-1.0, prompt=4, cached=0), ev("b", index=3, lp=-2.0, prompt=6, cached=2),
+              ev("", token=None, finish="length", index=0, prompt=4), ev("", token=None, finish="stop", index=3, prompt=6,
+                                                                         cached=2)]:
+        c.feed(e)
+    resp = c.response()
+    assert resp["object"] == "text_completion" and [ch["text"] for ch in resp["choices"]] == ["p0 a", "p0 ", "p1 ",
+                                                                                                "p1 b"]
+    assert resp["choices"][0]["logprobs"] == {"tokens": ["a"], "token_logprobs": [-1.0],
+                                              "top_logprobs": [{"a": -1.0}], "text_offset": [0]}
+    assert resp["usage"]["prompt_tokens"] == 10 and resp["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
+@pytest.mark.parametrize("body,name", [
+    ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"functions": []}, "functions"), ({"parallel_tool_calls": True}, "parallel_tool_calls"),
+    ({"response_format": {"type": "json_object"}}, "response_format"), ({"audio": {}}, "audio"),
+    ({"modalities": ["text"]}, "modalities"), ({"prediction": {}}, "prediction"),
+    ({"web_search_options": {}}, "web_search_options"), ({"best_of": 3}, "best_of"),
+])
+def test_unsupported_parameters_are_named(body, name):
+    assert unsupported(body)[0] == name
+    assert unsupported({"response_format": {"type": "text"}, "user": "u", "best_of": 1}) is None
+
+
+def test_completion_prompt_forms():
+    assert TextCompletionRequest.model_validate({"prompt": "hi"}).prompts() == ["hi"]
+    assert TextCompletionRequest.model_validate({"prompt": [1, 2, 3]}).prompts() == [[1, 2, 3]]
+    assert TextCompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    assert TextCompletionRequest.model_validate({"prompt": [[1], [2, 3]]}).prompts() == [[1], [2, 3]]
+    for bad in ({"prompt": []}, {"prompt": [[]]}, {"prompt": "x", "echo": True, "logprobs": 1}, {"prompt": [-1]}):
+        with pytest.raises(ValueError):
+            TextCompletionRequest.model_validate(bad)

@@ -1,5 +1,6 @@
 """The Ray Serve application end to end over HTTP: one in-process Serve instance for the whole module."""
 import asyncio
+import math
 import json
 import socket
 import threading
@@ -320,3 +321,106 @@ def test_decision_model_field(service):
     assert models["jev-latest"]["alias_of"] == "startlux-decision"
     r = httpx.post(f"{service}/v1/systemone", json=dict(decision_body(), model="other"))
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+# ---- the rest of OpenAI's API: logprobs, text completions, penalties and bias, parameters refused by name
+
+def openai_client(service):
+    openai = pytest.importorskip("openai")
+    return openai, openai.OpenAI(base_url=f"{service}/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_logprobs_streamed_and_not(service):
+    _, client = openai_client(service)
+    kw = dict(model="chat", messages=user(), max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    out = client.chat.completions.create(**kw)
+    entries = out.choices[0].logprobs.content
+    assert len(entries) == out.usage.completion_tokens == 8
+    for e in entries:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert e.logprob <= 0 and tops == sorted(tops, reverse=True) and len(tops) == 3
+        assert e.top_logprobs[0].token == e.token and abs(e.top_logprobs[0].logprob - e.logprob) < 1e-6
+        assert sum(math.exp(v) for v in tops) <= 1 + 1e-6 and e.bytes == list(e.token.encode()) or "\ufffd" in e.token
+    assert "".join(e.token for e in entries) == out.choices[0].message.content
+    streamed = []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in entries]
+    plain = client.chat.completions.create(model="chat", messages=user(), max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == out.choices[0].message.content
+    assert out.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_text_completions(service):
+    _, client = openai_client(service)
+    greedy = dict(model="chat", max_tokens=6, temperature=0)
+    one = client.completions.create(prompt="the cat sat on", **greedy)
+    assert one.object == "text_completion" and one.choices[0].text and one.usage.completion_tokens == 6
+    tokens = httpx.post(f"{service}/v1/completions", json={"prompt": "the cat sat on", "max_tokens": 1,
+                                                           "temperature": 0, "logprobs": 0}).json()
+    assert tokens["choices"][0]["logprobs"]["tokens"]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(prompt="the cat sat on", stream=True,
+                                                                             **greedy) if c.choices)
+    assert streamed == one.choices[0].text
+    several = client.completions.create(prompt=["the cat sat on", "hello how are"], n=2, **greedy)
+    assert [c.index for c in several.choices] == [0, 1, 2, 3]
+    assert several.choices[0].text == several.choices[1].text == one.choices[0].text
+    assert several.usage.completion_tokens == 24
+    echo = client.completions.create(prompt="the cat sat on", echo=True, **greedy)
+    assert echo.choices[0].text == "the cat sat on" + one.choices[0].text
+    ids = client.completions.create(prompt=[[5, 6, 7]], echo=True, **greedy)
+    assert ids.usage.prompt_tokens == 4                       # <|bos|> is prepended
+    seeded = [client.completions.create(model="chat", prompt="hello", max_tokens=6, temperature=1.0, seed=7, n=2) for _ in range(2)]
+    assert [c.text for c in seeded[0].choices] == [c.text for c in seeded[1].choices]
+    legacy = client.completions.create(model="chat", prompt="hello", max_tokens=4, temperature=0, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == 4 and all(len(t) == 2 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [[99999]]}, 400, "vocabulary"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "the cat " * 200, "max_tokens": 8000}, 400, "max_tokens"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ({"prompt": "x", "model": "nope"}, 404, "unknown model"),
+    ({"prompt": ["a"] * 5, "n": 2}, 400, "prompts x n"),
+])
+def test_text_completion_errors(service, body, status, needle):
+    r = httpx.post(f"{service}/v1/completions", json=body, timeout=60)
+    assert r.status_code == status and needle in r.json()["error"]["message"], r.text
+
+
+def test_penalties_and_logit_bias(service):
+    _, client = openai_client(service)
+    biased = client.chat.completions.create(model="chat", messages=user(), max_tokens=5, temperature=0,
+                                            logit_bias={"300": 100})
+    assert biased.usage.completion_tokens == 5
+    tokens = httpx.post(f"{service}/v1/completions", json={"prompt": "hello", "max_tokens": 5, "temperature": 0,
+                                                           "logit_bias": {"300": 100}, "logprobs": 0}).json()
+    assert len(set(tokens["choices"][0]["logprobs"]["tokens"])) == 1          # one token, every time
+    base = client.chat.completions.create(model="chat", messages=user(), max_tokens=12, temperature=0)
+    penalized = client.chat.completions.create(model="chat", messages=user(), max_tokens=12, temperature=0,
+                                               frequency_penalty=2.0, presence_penalty=2.0)
+    assert penalized.usage.completion_tokens == 12 and base.usage.completion_tokens == 12
+    for body, field in [({"frequency_penalty": 3}, "frequency_penalty"), ({"presence_penalty": -2.5}, "presence_penalty"),
+                        ({"logit_bias": {"5": 200}}, "logit_bias"), ({"logit_bias": {"999999": 1}}, "logit_bias"),
+                        ({"repetition_penalty": 0}, "repetition_penalty"), ({"top_logprobs": 2}, "top_logprobs")]:
+        r = chat(service, {"messages": user(), **body})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (body, r.text)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "auto"),
+    ("functions", [{"name": "f"}]), ("parallel_tool_calls", True), ("response_format", {"type": "json_object"}),
+    ("audio", {"voice": "x", "format": "wav"}), ("modalities", ["text", "audio"]), ("prediction", {"type": "content"}),
+    ("web_search_options", {}), ("some_new_knob", 1),
+])
+def test_unsupported_parameters_are_refused_by_name(service, field, value):
+    r = chat(service, {"messages": user(), field: value})
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    accepted = chat(service, {"messages": user(), "max_tokens": 2, "user": "u", "metadata": {"a": "b"},
+                              "store": False, "response_format": {"type": "text"}})
+    assert accepted.status_code == 200

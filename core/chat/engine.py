@@ -29,8 +29,9 @@ import torch
 from .calculator import format_result, use_calculator
 from .cuda_graphs import DecodeGraphs, GraphCaptureError
 from .kv_cache import CacheBatch, KVCache
+from .logits import LogitProcessor, LogprobResult, logprobs
 from .model import ChatModel
-from .sampler import SamplingParams, row_rng, sample
+from .sampler import SamplingError, SamplingParams, row_rng, sample
 from .tokenizer import ChatTokenizer
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0          # prompt tokens whose keys and values were reused, not computed
+    logprob: float | None = None    # of a sampled token, when the request asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None   # (token id, logprob), most probable first
 
 
 @dataclass
@@ -86,6 +90,7 @@ class _Request:
     max_new: int
     samples: list[_Sample]
     prefilled: int = 0
+    cached: int = 0                 # prompt tokens reused (the few-shot prefix)
     arrival: float = field(default_factory=time.monotonic)
     aborted: bool = False
 
@@ -130,6 +135,8 @@ class LLMEngine:
         self.python_start, self.python_end = t("<|python_start|>"), t("<|python_end|>")
         self.output_start, self.output_end = t("<|output_start|>"), t("<|output_end|>")
         self.stop_tokens = {t("<|assistant_end|>"), tokenizer.bos_id}
+        self.logits = LogitProcessor(max_rows + 1, cfg.vocab_size, self.device)   # + the graphs' scratch row
+        self._observed: tuple[list[int], list[int]] = ([], [])   # (row, token) appended to processed rows
         self.free_rows: list[int] = list(range(max_rows))
         self.waiting: deque[_Request] = deque()
         self.prefilling: list[_Request] = []
@@ -154,6 +161,8 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise EngineError(f"prompt token ids must be in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise SamplingError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         rid = request_id or f"req-{next(_ids)}"
         samples = [_Sample(i, row_rng(params.seed, i), self.tok.stream_decoder()) for i in range(params.n)]
         req = _Request(rid, list(prompt), params, min(params.max_tokens, self.sequence_len - len(prompt)), samples)
@@ -235,11 +244,13 @@ class LLMEngine:
             req = self.waiting.popleft()
             for s in req.samples:
                 s.row = self.free_rows.pop(0)
+                if req.params.processes_logits:
+                    self.logits.start(s.row, req.params, req.prompt)
             n = len(self.prefix_ids)
             if n and len(req.prompt) > n and req.prompt[:n] == self.prefix_ids:
                 self.cache.ensure_capacity(n)
                 self.cache.load_prefix(self.prefix_cache, req.samples[0].row, n)
-                req.prefilled = n
+                req.prefilled = req.cached = n
             self.prefilling.append(req)
 
     def _prefill(self, events: list[TokenEvent]) -> None:
@@ -278,14 +289,35 @@ class LLMEngine:
                 targets.append((req, s))
             self.prefilling.remove(req)
             self.running.append(req)
-        tokens = self._sample(logits[torch.tensor(rows_logits, device=self.device)], targets)
-        for (req, s), tok in zip(targets, tokens):
-            self._accept(req, s, tok, False, events)
+        tokens, lps = self._sample(logits[torch.tensor(rows_logits, device=self.device)], targets)
+        for (req, s), tok, lp in zip(targets, tokens, lps):
+            self._accept(req, s, tok, False, events, lp)
+        self._observe()
 
-    def _sample(self, logits: torch.Tensor, targets: list[tuple[_Request, _Sample]]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, targets: list[tuple[_Request, _Sample]],
+                forced: list[bool] | None = None) -> tuple[list[int], list[LogprobResult | None]]:
+        """Sample one token per target row; the rows whose requests ask for it get their logits processed first
+        (bias, penalties) and their log-probabilities computed (not for `forced` rows: those are not sampled)."""
         ps = [r.params for r, _ in targets]
-        return sample(logits, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
-                      [s.rng.random() for _, s in targets]).tolist()
+        processed = [i for i, p in enumerate(ps) if p.processes_logits]
+        if processed:
+            logits = self.logits.apply(logits.float(), processed, [targets[i][1].row for i in processed],
+                                       [ps[i] for i in processed])
+        tokens = sample(logits, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
+                        [s.rng.random() for _, s in targets]).tolist()
+        lps: list[LogprobResult | None] = [None] * len(targets)
+        asked = [i for i, p in enumerate(ps) if p.logprobs is not None and not (forced and forced[i])]
+        if asked:
+            for i, res in zip(asked, logprobs(logits, asked, [tokens[i] for i in asked],
+                                              [ps[i].logprobs for i in asked])):
+                lps[i] = res
+        return tokens, lps
+
+    def _observe(self) -> None:
+        rows, toks = self._observed
+        if rows:
+            self.logits.observe(rows, toks)
+            self._observed = ([], [])
 
     def _decode(self, decoding: list[tuple[_Request, _Sample]], events: list[TokenEvent]) -> None:
         decoding.sort(key=lambda rs: rs[1].row)
@@ -301,18 +333,23 @@ class LLMEngine:
             ids = torch.tensor([[s.pending] for _, s in decoding], device=self.device)
             cb = CacheBatch.build(self.cache, rows, positions, 1)
             logits = self.model(ids, cb, last=torch.zeros(len(decoding), dtype=torch.long, device=self.device))
-        sampled = self._sample(logits, decoding)
-        for (req, s), tok in zip(decoding, sampled):
+        sampled, lps = self._sample(logits, decoding, [bool(s.forced) for _, s in decoding])
+        for (req, s), tok, lp in zip(decoding, sampled, lps):
             s.position += 1
             if s.forced:
                 self._accept(req, s, s.forced.popleft(), True, events)
             else:
-                self._accept(req, s, tok, False, events)
+                self._accept(req, s, tok, False, events, lp)
+        self._observe()
 
     # ---- per-token bookkeeping: tool state machine, text, stop conditions
-    def _accept(self, req: _Request, s: _Sample, tok: int, forced: bool, events: list[TokenEvent]) -> None:
+    def _accept(self, req: _Request, s: _Sample, tok: int, forced: bool, events: list[TokenEvent],
+                lp: LogprobResult | None = None) -> None:
         s.generated.append(tok)
         s.pending = tok
+        if req.params.processes_logits:
+            self._observed[0].append(s.row)
+            self._observed[1].append(tok)
         text, segment, closes = "", s.segment, False
         if tok in self.stop_tokens:
             if not req.params.ignore_eos:
@@ -341,12 +378,12 @@ class LLMEngine:
             if s.segment == "text" and req.params.stop:
                 text, hit = self._check_stop(s, delta, req.params.stop)
                 if hit:
-                    events.append(self._event(req, s, tok, text, "text", forced))
+                    events.append(self._event(req, s, tok, text, "text", forced, lp=lp))
                     self._finish(req, s, "stop", events, flush=False)
                     return
             else:
                 text = delta
-        events.append(self._event(req, s, tok, text, segment, forced, closes=closes))
+        events.append(self._event(req, s, tok, text, segment, forced, closes=closes, lp=lp))
         if len(s.generated) >= req.max_new or s.position + 1 >= self.sequence_len:
             self._finish(req, s, "length", events)
 
@@ -373,9 +410,9 @@ class LLMEngine:
         s.held = ""
         return text
 
-    def _event(self, req, s, tok, text, segment, forced, finish=None, closes=False) -> TokenEvent:
+    def _event(self, req, s, tok, text, segment, forced, finish=None, closes=False, lp=None) -> TokenEvent:
         return TokenEvent(req.id, s.index, tok, text, segment, forced, closes, finish, len(req.prompt),
-                          len(s.generated))
+                          len(s.generated), req.cached, lp.logprob if lp else None, lp.top if lp else None)
 
     def _finish(self, req: _Request, s: _Sample, reason: str, events: list[TokenEvent], flush: bool = True) -> None:
         tail = self._flush_text(s) if flush else ""

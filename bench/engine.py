@@ -3,7 +3,9 @@
     python -m bench.engine [--json out.json] [--device cpu|cuda]
 
 A small nanochat-architecture model (4 layers, width 256) with random weights; special-token logits are
-zeroed so every stream runs its full length. Prints a table; figures go in the README with date and machine.
+zeroed so every stream runs its full length. Then the cost of asking for logprobs: 32 streams with
+`logprobs` 5 (each token's logprob and the 5 most probable) on every row, beside the same without, and with
+penalties and a logit_bias on every row. Prints a table; figures go in bench/README.md with date and machine.
 """
 from __future__ import annotations
 
@@ -34,13 +36,13 @@ def bench_model(vocab_size=2048):
     return model, tok
 
 
-def run_streams(model, tok, n_streams, prompt_len, max_tokens):
+def run_streams(model, tok, n_streams, prompt_len, max_tokens, **extra):
     engine = LLMEngine(model, tok, max_rows=max(n_streams, 1), prefill_chunk=2048)
     rng = random.Random(1)
     t0 = time.perf_counter()
     for i in range(n_streams):
         engine.add_request([rng.randrange(200) for _ in range(prompt_len)],
-                           SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i), f"s{i}")
+                           SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, **extra), f"s{i}")
     first, tokens, step_times = {}, 0, []
     while engine.has_work():
         s0 = time.perf_counter()
@@ -92,6 +94,11 @@ def main():
     one = run_streams(model, tok, 1, args.prompt_len, args.max_tokens)
     many = run_streams(model, tok, 32, args.prompt_len, args.max_tokens)
     bare = bare_forward_ms(model, 32, args.prompt_len + args.max_tokens // 2)
+    # asked-for extras, alternating with plain runs (this machine is noisy): best of 3 each
+    variants = {"none": {}, "logprobs 5": {"logprobs": 5},
+                "penalties + bias": {"frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {7: 1.0}}}
+    extras = {name: max((run_streams(model, tok, 32, args.prompt_len, args.max_tokens, **kw) for _ in range(3)),
+                        key=lambda r: r["tokens_per_s"]) for name, kw in variants.items()}
     result = {
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"
                    + (f", {torch.cuda.get_device_name()}" if args.device != "cpu" else ""),
@@ -100,6 +107,7 @@ def main():
         "speedup_32_vs_1": many["tokens_per_s"] / one["tokens_per_s"],
         "bare_forward_ms_b32": bare,
         "step_over_bare": many["step_ms"] / bare if many["step_ms"] else None,
+        "extras_32": extras,
     }
     print(f"{'':24}{'1 stream':>12}{'32 streams':>12}")
     print(f"{'tokens/s':24}{one['tokens_per_s']:12.1f}{many['tokens_per_s']:12.1f}")
@@ -108,6 +116,8 @@ def main():
     print(f"aggregate speedup 32 vs 1: {result['speedup_32_vs_1']:.1f}x")
     print(f"engine step / bare forward at batch 32: {many['step_ms']:.2f} / {bare:.2f} ms = "
           f"{result['step_over_bare']:.2f}x")
+    for name, r in extras.items():
+        print(f"32 streams, {name:18} {r['tokens_per_s']:9.1f} tokens/s, decode step {r['step_ms']:.2f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -36,6 +36,7 @@ class AppArgs(BaseModel):
     chat_cuda_graphs: bool = True                   # on CUDA, decode passes replay recorded graphs
     chat_engine_cpu_policy: Literal["normal", "idle"] = "normal"   # "idle": SCHED_IDLE engine, for CPU hosts
     chat_stream_interval: int = Field(1, ge=1)      # after a stream's first text, tokens per message to the ingress
+    chat_prefix_caching: bool = True                # reuse the KV rows finished requests leave (multi-turn chat)
     decision_max_length: int = 65536
     decision_max_batch_tokens: int = 65536
     decision_graphs: bool = True
@@ -66,7 +67,7 @@ def wire(a: AppArgs, options: dict[str, dict] | None = None) -> Application:
     chat = ChatModel.options(**options.get("ChatModel", {})).bind(
         os.path.abspath(a.chat_checkpoint), a.device, a.chat_model_name, a.chat_max_rows, a.chat_prefill_chunk,
         a.chat_max_waiting, a.chat_engine_process, a.chat_torch_threads,
-        a.chat_cuda_graphs, a.chat_engine_cpu_policy, a.chat_stream_interval)
+        a.chat_cuda_graphs, a.chat_engine_cpu_policy, a.chat_stream_interval, a.chat_prefix_caching)
     decision = DecisionModel.options(**options.get("DecisionModel", {})).bind(
         os.path.abspath(a.decision_checkpoint), a.device, a.decision_model_name, a.decision_max_length,
         a.decision_max_batch_tokens, a.decision_graphs, tuple(a.decision_model_aliases), a.decision_prefix_cache_mb,

@@ -45,9 +45,15 @@ class ChatMetrics:
         self.running = Gauge("chat_running_requests", "Requests holding KV-cache rows.", tag_keys=("model",))
         self.waiting = Gauge("chat_waiting_requests", "Requests waiting for free rows.", tag_keys=("model",))
         self.cache = Gauge("chat_kv_cache_usage", "Share of KV-cache positions in use (0-1).", tag_keys=("model",))
+        # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
+        self.prefix_queries = Counter("chat_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+                                      tag_keys=("model",))
+        self.prefix_hits = Counter("chat_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+                                   tag_keys=("model",))
+        self._reported = (0, 0)
         self._gauges_at = 0.0
         for m in (self.ttft, self.itl, self.e2e, self.generated, self.prompted, self.running, self.waiting,
-                  self.cache):
+                  self.cache, self.prefix_queries, self.prefix_hits):
             m.set_default_tags(dict(tags))   # Serve adds its own tags to the dict it is given
 
     def engine_step(self, stats) -> None:
@@ -61,6 +67,12 @@ class ChatMetrics:
         self.running.set(s.running)
         self.waiting.set(s.waiting)
         self.cache.set(s.cache_usage)
+        queries, hits = self._reported
+        if s.prefix_query_tokens > queries:
+            self.prefix_queries.inc(s.prefix_query_tokens - queries)
+        if s.prefix_hit_tokens > hits:
+            self.prefix_hits.inc(s.prefix_hit_tokens - hits)
+        self._reported = (max(queries, s.prefix_query_tokens), max(hits, s.prefix_hit_tokens))
 
 
 def sampling_params(p: dict, defaults) -> SamplingParams:
@@ -117,11 +129,12 @@ class ChatModel:
     def __init__(self, checkpoint: str, device: str | None = None, model_name: str | None = None,
                  max_rows: int = 32, prefill_chunk: int = 512, max_waiting: int = 256, engine_process: bool = True,
                  torch_threads: int | None = None, cuda_graphs: bool = True, engine_cpu_policy: str = "normal",
-                 stream_interval: int = 1):
+                 stream_interval: int = 1, prefix_caching: bool = True):
         """engine_process: step the model in a child process (the default; see core/chat/engine_process.py)
         rather than on a thread of the replica. torch_threads: torch's intra-op threads for the model.
         cuda_graphs: on CUDA, replay recorded graphs for decode passes (core/chat/cuda_graphs.py).
         engine_cpu_policy: "idle" runs the engine process under SCHED_IDLE, for CPU hosts (set_cpu_policy).
+        prefix_caching: reuse the keys and values finished requests leave in their rows (core/chat/prefix_index.py).
         stream_interval: once a stream has shown output (text, or a closed calculator part), send its tokens to
         the ingress in messages of at least this many (1: every engine step's tokens at once); everything up to
         the first output, and the end of a stream, is never held back."""
@@ -135,7 +148,7 @@ class ChatModel:
         self.tok = tok
         self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot)
         spec = EngineSpec(checkpoint, device, max_rows, prefill_chunk, max_waiting, self.prompter.prefix_ids,
-                          torch_threads, cuda_graphs, engine_cpu_policy)
+                          torch_threads, cuda_graphs, engine_cpu_policy, prefix_caching)
         self.engine = start_engine(spec, engine_process, on_step=self.metrics.engine_step)
         self.sequence_len = cfg.sequence_len
         logger.info("chat model %s loaded (%s, %d rows, %s)", self.name, type(self.engine).__name__, max_rows,
@@ -149,7 +162,9 @@ class ChatModel:
     def stats(self) -> dict:
         s = self.engine.stats()
         return {"running": s.running, "waiting": s.waiting, "rows_used": s.rows_used, "rows_total": s.rows_total,
-                "kv_cache_usage": s.cache_usage, "engine": type(self.engine).__name__}
+                "kv_cache_usage": s.cache_usage, "engine": type(self.engine).__name__,
+                "prefix_cache": {"query_tokens": s.prefix_query_tokens, "hit_tokens": s.prefix_hit_tokens,
+                                 "cached_rows": s.cached_rows, "cached_tokens": s.cached_prefix_tokens}}
 
     def detokenize(self, ids: list[int]) -> str:
         """Token ids as text, without <|bos|> (a completion's echo of a token-id prompt)."""

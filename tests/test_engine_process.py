@@ -96,7 +96,7 @@ def test_refusals_are_raised_from_generate(engine, checkpoint):
         await hold.__anext__()                                  # running: holds the only row
         queued = small.generate([1, 2], SamplingParams(max_tokens=2))
         task = asyncio.ensure_future(queued.__anext__())        # waits for the row
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.01)                               # its "add" reaches the child first
         try:
             await first([1, 2], SamplingParams(max_tokens=2), small)
         finally:

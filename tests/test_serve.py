@@ -424,3 +424,14 @@ def test_unsupported_parameters_are_refused_by_name(service, field, value):
     accepted = chat(service, {"messages": user(), "max_tokens": 2, "user": "u", "metadata": {"a": "b"},
                               "store": False, "response_format": {"type": "text"}})
     assert accepted.status_code == 200
+
+
+def test_multi_turn_chat_reuses_the_previous_turn(service):
+    first = chat(service, {"messages": user("the cat sat on a mat"), "max_tokens": 8, "temperature": 0}).json()
+    history = user("the cat sat on a mat") + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                                              {"role": "user", "content": "and the dog"}]
+    second = chat(service, {"messages": history, "max_tokens": 8, "temperature": 0}).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"] and cached < second["usage"]["prompt_tokens"]
+    stats = httpx.get(f"{service}/debug/stats").json()["chat"]["prefix_cache"]
+    assert stats["hit_tokens"] >= cached and stats["query_tokens"] >= stats["hit_tokens"]

@@ -9,7 +9,9 @@ Design (after vLLM's v1 engine, at nanochat's scale):
   have the first tokens of the prefill handed over before the decode pass.
 - `n` samples of a prompt share one prefill: its keys and values are copied to the sibling rows and
   each sample draws its own first token (seed 000 broadcast one first token to all).
-- The few-shot prefix is prefilled once; its keys and values are copied into each new request.
+- Prefix caching (prefix_index.py): a finished request's rows keep their keys and values, indexed by their
+  token ids; a new prompt that starts with the same ids takes over such a row (or copies from a row that
+  must stay: a running request's, or the pinned row of the few-shot prefix) and prefills only the rest.
 - The calculator runs between steps: after `<|python_end|>` its result is forced into the row.
 - When every row is taken, new requests wait; `max_waiting` bounds the queue.
 
@@ -31,6 +33,7 @@ from .cuda_graphs import DecodeGraphs, GraphCaptureError
 from .kv_cache import CacheBatch, KVCache
 from .logits import LogitProcessor, LogprobResult, logprobs
 from .model import ChatModel
+from .prefix_index import RowPool
 from .sampler import SamplingError, SamplingParams, row_rng, sample
 from .tokenizer import ChatTokenizer
 
@@ -107,6 +110,10 @@ class EngineStats:
     rows_total: int
     cache_tokens: int            # positions stored in the KV cache across rows
     cache_capacity: int          # rows * sequence_len
+    prefix_query_tokens: int = 0     # prompt tokens looked up in the prefix index
+    prefix_hit_tokens: int = 0       # of those, found in a cached row (reused, not computed)
+    cached_rows: int = 0             # free rows that hold a prefix
+    cached_prefix_tokens: int = 0    # tokens those rows hold
 
     @property
     def cache_usage(self) -> float:
@@ -116,9 +123,11 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model: ChatModel, tokenizer: ChatTokenizer, max_rows: int = 32, prefill_chunk: int = 512,
                  initial_cache_len: int | None = 256, prefix_ids: list[int] | None = None, max_waiting: int = 1024,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, prefix_caching: bool = True):
         """cuda_graphs: on a CUDA device, replay recorded graphs for decode passes (cuda_graphs.py); the cache is
-        then allocated at full length, with one extra scratch row."""
+        then allocated at full length, with one extra scratch row. prefix_caching: reuse the keys and values
+        finished requests leave in their rows (prefix_index.py); without it only the few-shot prefix is reused.
+        The cache has one more row, pinned to the few-shot prefix."""
         self.model, self.tok = model.eval(), tokenizer
         cfg = model.config
         self.sequence_len = cfg.sequence_len
@@ -126,18 +135,20 @@ class LLMEngine:
         self.device = model.get_device()
         dtype = next(model.parameters()).dtype
         self.graphs = None
+        self.prefix_row = max_rows                      # pinned to the few-shot prefix
         if cuda_graphs and self.device.type == "cuda":
-            self.cache = KVCache.for_model(cfg, max_rows + 1, cfg.sequence_len, dtype=dtype, device=self.device)
-            self.graphs = DecodeGraphs(model, self.cache, scratch_row=max_rows, max_batch=max_rows)
+            self.cache = KVCache.for_model(cfg, max_rows + 2, cfg.sequence_len, dtype=dtype, device=self.device)
+            self.graphs = DecodeGraphs(model, self.cache, scratch_row=max_rows + 1, max_batch=max_rows)
         else:
-            self.cache = KVCache.for_model(cfg, max_rows, initial_cache_len, dtype=dtype, device=self.device)
+            self.cache = KVCache.for_model(cfg, max_rows + 1, initial_cache_len, dtype=dtype, device=self.device)
         t = tokenizer.encode_special
         self.python_start, self.python_end = t("<|python_start|>"), t("<|python_end|>")
         self.output_start, self.output_end = t("<|output_start|>"), t("<|output_end|>")
         self.stop_tokens = {t("<|assistant_end|>"), tokenizer.bos_id}
-        self.logits = LogitProcessor(max_rows + 1, cfg.vocab_size, self.device)   # + the graphs' scratch row
+        self.logits = LogitProcessor(max_rows, cfg.vocab_size, self.device)
         self._observed: tuple[list[int], list[int]] = ([], [])   # (row, token) appended to processed rows
-        self.free_rows: list[int] = list(range(max_rows))
+        self.prefix_caching = prefix_caching
+        self.pool = RowPool(max_rows)
         self.waiting: deque[_Request] = deque()
         self.prefilling: list[_Request] = []
         self.running: list[_Request] = []
@@ -146,7 +157,6 @@ class LLMEngine:
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
         self.prefix_ids: list[int] = []
-        self.prefix_cache: KVCache | None = None
         if prefix_ids:
             self.set_prefix(prefix_ids)
 
@@ -189,18 +199,20 @@ class LLMEngine:
         with self._lock:
             waiting = len(self.waiting) + len(self._inbox)
             active = [s for r in self.prefilling + self.running for s in r.samples if s.row >= 0]
-        return EngineStats(len(self.prefilling) + len(self.running), waiting, self.max_rows - len(self.free_rows),
-                           self.max_rows, sum(s.position for s in active), self.max_rows * self.sequence_len)
+        pool = self.pool
+        return EngineStats(len(self.prefilling) + len(self.running), waiting, self.max_rows - pool.n_free,
+                           self.max_rows, sum(s.position for s in active), self.max_rows * self.sequence_len,
+                           pool.query_tokens, pool.hit_tokens, pool.cached_rows, pool.cached_tokens())
 
     # ---- the few-shot prefix
     @torch.inference_mode()
     def set_prefix(self, prefix_ids: list[int]) -> None:
-        """Prefill `prefix_ids` once; prompts that start with them copy its keys and values."""
-        cfg = self.model.config
-        cache = KVCache.for_model(cfg, 1, len(prefix_ids), dtype=self.cache.dtype, device=self.device)
+        """Prefill `prefix_ids` once into the pinned row; prompts that start with them copy its keys and values."""
         ids = torch.tensor([prefix_ids], device=self.device)
-        self.model(ids, CacheBatch.build(cache, [0], [0], len(prefix_ids)), last=torch.tensor([0], device=self.device))
-        self.prefix_ids, self.prefix_cache = list(prefix_ids), cache
+        self.model(ids, CacheBatch.build(self.cache, [self.prefix_row], [0], len(prefix_ids)),
+                   last=torch.tensor([0], device=self.device))
+        self.prefix_ids = list(prefix_ids)
+        self.pool.pin(self.prefix_row, self.prefix_ids)
 
     # ---- one scheduling round
     @torch.inference_mode()
@@ -240,17 +252,27 @@ class LLMEngine:
                 self._finish(req, s, "abort", events)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.free_rows) >= self.waiting[0].params.n:
+        """Waiting requests get rows in arrival order while there are enough free ones. The first sample's row starts
+        with the longest cached prefix of the prompt (at least the last prompt token is always computed, for the
+        logits to sample from): a free row holding it is taken over as it is, else the prefix is copied in."""
+        while self.waiting and self.pool.n_free >= self.waiting[0].params.n:
             req = self.waiting.popleft()
+            m = self.pool.match(req.prompt, limit=len(req.prompt) - 1)
+            first = req.samples[0]
+            if m.length and m.free:
+                self.pool.take(m.row)
+                first.row = m.row
+            else:
+                first.row = self.pool.allocate()
+                if m.length:
+                    self.cache.ensure_capacity(m.length)
+                    self.cache.copy_rows(m.row, [first.row], m.length)
+            for s in req.samples[1:]:
+                s.row = self.pool.allocate()
             for s in req.samples:
-                s.row = self.free_rows.pop(0)
                 if req.params.processes_logits:
                     self.logits.start(s.row, req.params, req.prompt)
-            n = len(self.prefix_ids)
-            if n and len(req.prompt) > n and req.prompt[:n] == self.prefix_ids:
-                self.cache.ensure_capacity(n)
-                self.cache.load_prefix(self.prefix_cache, req.samples[0].row, n)
-                req.prefilled = req.cached = n
+            req.prefilled = req.cached = m.length
             self.prefilling.append(req)
 
     def _prefill(self, events: list[TokenEvent]) -> None:
@@ -283,6 +305,8 @@ class LLMEngine:
         rows_logits, targets = [], []
         for j, req in finished:
             self.cache.copy_rows(req.samples[0].row, [s.row for s in req.samples[1:]], len(req.prompt))
+            if self.prefix_caching:                 # the prompt's keys are final: other requests may copy them
+                self.pool.hold(req.samples[0].row, req.prompt)
             for s in req.samples:
                 s.position = len(req.prompt)
                 rows_logits.append(j)
@@ -424,14 +448,21 @@ class LLMEngine:
         for req in list(self.prefilling) + list(self.running):
             for s in req.samples:
                 if s.finish_reason and s.row >= 0:
-                    self.free_rows.append(s.row)
+                    self.pool.release(s.row, self._fed(req, s) if self.prefix_caching else [])
                     s.row = -1
             if req.done:
                 (self.prefilling if req in self.prefilling else self.running).remove(req)
-        self.free_rows.sort()
         with self._lock:
             for rid in [rid for rid, r in self.requests.items() if r.done]:
                 del self.requests[rid]
+
+    @staticmethod
+    def _fed(req: _Request, s: _Sample) -> list[int]:
+        """The tokens whose keys and values sample `s`'s row holds: what was fed into it (the last sampled token
+        never was). A sample whose prompt was still prefilling holds the prefilled part if it is the first."""
+        if s.position:
+            return (req.prompt + s.generated)[:s.position]
+        return req.prompt[:req.prefilled] if s is req.samples[0] else []
 
     def fail_all(self, reason: str = "error") -> list[TokenEvent]:
         """End every request (after a fault in the model); the engine stays usable."""

@@ -53,6 +53,7 @@ class EngineSpec:
     torch_threads: int | None = None
     cuda_graphs: bool = True
     cpu_policy: str = "normal"      # "idle": the child runs under SCHED_IDLE (see set_cpu_policy)
+    prefix_caching: bool = True     # reuse the keys and values finished requests leave in their rows
 
     def __post_init__(self):
         if self.cpu_policy not in CPU_POLICIES:
@@ -69,7 +70,7 @@ class EngineSpec:
         model, tok, _ = load_chat_model(self.checkpoint, self.device)
         return LLMEngine(model, tok, max_rows=self.max_rows, prefill_chunk=self.prefill_chunk,
                          prefix_ids=self.prefix_ids or None, max_waiting=self.max_waiting,
-                         cuda_graphs=self.cuda_graphs)
+                         cuda_graphs=self.cuda_graphs, prefix_caching=self.prefix_caching)
 
 
 def set_cpu_policy(policy: str) -> str:

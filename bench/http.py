@@ -14,7 +14,9 @@ workloads: `question` (a single question), `history` (six earlier exchanges, the
 benchmarks do; tokens past the end of the turn show no text and are counted on neither side). Each
 stream is a client that sends its next request when the previous one ends (`--per-client` requests,
 16: the first round, which arrives as one burst, is then a sixteenth of the samples), so concurrency
-holds steady. Then decisions with 32 concurrent clients (questions/s, p50/p99), and the same chat runs
+holds steady. Then `multiturn` (each client continues its own conversation for 8 turns, resending the whole history every
+turn, as chat UIs do; `--multiturn-only` runs just this one, to compare services started with and without
+`chat_prefix_caching`), then decisions with 32 concurrent clients (questions/s, p50/p99), and the same chat runs
 against the baseline (one generation at a time under a lock, no KV cache; bench/baseline.py) started
 here on another port; it serves one request at a time, so its runs use fewer (`--baseline-per-client`). Streams count chunks that carry
 output (text, or a calculator call or result) on both sides, so the comparison is like for like. Chat
@@ -131,6 +133,74 @@ async def decision_load(url, clients, per_client):
             "p50_ms": 1000 * pct(latencies, 0.5), "p99_ms": 1000 * pct(latencies, 0.99)}
 
 
+async def multiturn_stream(conn, messages, seed, max_tokens):
+    """One streamed turn; -> (t0, output times, the reply as parts)."""
+    body = {"messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 1.0, "seed": seed}
+    t0, times, parts = time.perf_counter(), [], []
+    async for line in conn.post_lines("/v1/chat/completions", body):
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[6:])
+            delta = chunk["choices"][0]["delta"] if chunk.get("choices") else {}
+            if delta.get("content"):
+                times.append(time.perf_counter())
+                if parts and parts[-1]["type"] == "text":
+                    parts[-1]["text"] += delta["content"]
+                else:
+                    parts.append({"type": "text", "text": delta["content"]})
+            for part in delta.get("parts") or []:
+                times.append(time.perf_counter())
+                parts.append(part)
+    return t0, times, parts
+
+
+async def multiturn_load(url, clients, turns, max_tokens, seed=11):
+    """Each client continues its own conversation for `turns` turns (demo-domain questions), resending the whole
+    history, its own replies with their calculator parts included, every turn, as chat UIs do."""
+    from tools import demo_data as D
+
+    async def client_loop(c):
+        rng = random.Random(seed * 1000 + c)
+        conn, history, out = Connection(url), [], []
+        try:
+            for turn in range(turns):
+                q, _, _ = (D.fact_turn if rng.random() < 0.5 else D.math_turn)(rng, follow=turn > 0)
+                history.append({"role": "user", "content": q})
+                t0, times, parts = await multiturn_stream(conn, history, c * turns + turn, max_tokens)
+                out.append((t0, times))
+                text = "".join(p["text"] for p in parts if p["type"] == "text")
+                history.append({"role": "assistant", "content": text, "parts": parts})
+        finally:
+            conn.close()
+        return out
+
+    t0 = time.perf_counter()
+    results = [r for rs in await asyncio.gather(*(client_loop(c) for c in range(clients))) for r in rs]
+    wall = time.perf_counter() - t0
+    ttft = [times[0] - start for start, times in results if times]
+    tokens = sum(len(times) for _, times in results)
+    return {"streams": clients, "requests": len(results), "tokens": tokens, "seconds": wall,
+            "tokens_per_s": tokens / wall, "ttft_p50_ms": 1000 * pct(ttft, 0.5), "ttft_p99_ms": 1000 * pct(ttft, 0.99)}
+
+
+def prefix_counters(url) -> tuple[int, int]:
+    s = httpx.get(f"{url}/debug/stats", timeout=10).json()["chat"].get("prefix_cache", {})
+    return s.get("query_tokens", 0), s.get("hit_tokens", 0)
+
+
+def run_multiturn(url, max_tokens, turns=8, streams=(1, 32)) -> dict:
+    """The multiturn workload at each concurrency, with the prompt tokens the chat replica computed (its prefix
+    counters before and after; read after its idle report)."""
+    out = {}
+    for n in streams:
+        time.sleep(0.6)
+        q0, h0 = prefix_counters(url)
+        r = asyncio.run(multiturn_load(url, n, turns, max_tokens))
+        time.sleep(0.6)
+        q1, h1 = prefix_counters(url)
+        out[n] = r | {"prompt_tokens_computed": (q1 - q0) - (h1 - h0)}
+    return out
+
+
 def start_baseline(checkpoint):
     import uvicorn
 
@@ -203,6 +273,8 @@ def main():
                    help="the same for the baseline, which serves one request at a time (so fewer suffice)")
     p.add_argument("--json")
     p.add_argument("--svg")
+    p.add_argument("--multiturn-only", action="store_true",
+                   help="only the multiturn workload (8-turn conversations, 1 and 32 clients) against --url")
     args = p.parse_args()
     for url in filter(None, (args.url, args.direct_url)):   # fail now, not after minutes of load on the other
         try:
@@ -211,7 +283,18 @@ def main():
             p.error(f"{url} does not answer /healthz ({e}); with RAY_SERVE_ENABLE_HA_PROXY the Ingress replica's "
                     "own port is in the 30000-31000 range (ss -ltnp shows it)")
     asyncio.run(chat_load(args.url, 2, 8, 1))      # warm-up
+    if args.multiturn_only:
+        multi = run_multiturn(args.url, args.max_tokens)
+        for n, r in multi.items():
+            print(f"multiturn {n:3d} streams: {r['tokens_per_s']:8.1f} tokens/s, TTFT p50 {r['ttft_p50_ms']:6.1f} ms, "
+                  f"p99 {r['ttft_p99_ms']:6.1f} ms, prompt tokens computed {r['prompt_tokens_computed']}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": f"{platform.machine()}, {platform.python_version()}", "multiturn": multi}, f,
+                          indent=2)
+        return
     service = run_chat(args.url, args.max_tokens, args.per_client, (1, 8, 32))
+    multi = run_multiturn(args.url, args.max_tokens)
     decisions = asyncio.run(decision_load(args.url, 32, 4))
     direct = None
     if args.direct_url:
@@ -226,7 +309,7 @@ def main():
         thread.join(timeout=30)
     result = {"machine": f"{platform.machine()}, {platform.python_version()}", "max_tokens": args.max_tokens,
               "per_client": args.per_client, "baseline_per_client": args.baseline_per_client, "workloads": WORKLOADS, "service": service, "direct": direct,
-              "decisions": decisions, "baseline": baseline}
+              "decisions": decisions, "baseline": baseline, "multiturn": multi}
     runs = {"service": service} | ({"direct": direct} if direct else {})
     result["speedup_32"] = {f"{name} {w}": r[w][32]["tokens_per_s"] / baseline[w][32]["tokens_per_s"]
                             for name, r in runs.items() for w in WORKLOADS}

@@ -435,3 +435,57 @@ def test_multi_turn_chat_reuses_the_previous_turn(service):
     assert cached >= first["usage"]["prompt_tokens"] and cached < second["usage"]["prompt_tokens"]
     stats = httpx.get(f"{service}/debug/stats").json()["chat"]["prefix_cache"]
     assert stats["hit_tokens"] >= cached and stats["query_tokens"] >= stats["hit_tokens"]
+
+
+@pytest.fixture(scope="module")
+def affinity(service, tmp_path_factory, tokenizer):
+    """The same application with two chat replicas behind the conversation-affinity router."""
+    from ray import serve
+
+    from deployments.app import AppArgs, wire
+
+    root = tmp_path_factory.getbasetemp()
+    chat_dir = next(root.glob("serve*/chat"))
+    small = {"ray_actor_options": {"num_cpus": 0.1}}
+    router = {"request_router_class": "deployments.routing:ConversationAffinityRouter"}
+    options = {"ChatModel": dict(small, num_replicas=2, max_ongoing_requests=64, request_router_config=router),
+               "DecisionModel": dict(small, user_config={"max_batch_size": 4, "batch_wait_timeout_s": 0.01}),
+               "Ingress": dict(small, max_ongoing_requests=256)}
+    args = dict(chat_checkpoint=str(chat_dir), decision_checkpoint=str(chat_dir.parent / "decision"), device="cpu",
+                chat_max_rows=MAX_ROWS, max_body_bytes=200_000, max_message_chars=4000)
+    serve.run(wire(AppArgs(**args), options), name="affinity", route_prefix="/affinity")
+    yield f"{service}/affinity"
+    serve.delete("affinity")
+
+
+def conversation_hit_rate(url, conversations, turns):
+    """Every conversation sends its turns in step with the others; -> cached / prompt tokens over turns 2+."""
+    async def main():
+        histories = [[{"role": "user", "content": c}] for c in conversations]
+        cached = prompt = 0
+        async with httpx.AsyncClient(timeout=120) as client:
+            for turn in range(turns):
+                rs = await asyncio.gather(*(client.post(f"{url}/v1/chat/completions", json={
+                    "messages": h, "max_tokens": 6, "temperature": 0}) for h in histories))
+                for h, r in zip(histories, rs):
+                    body = r.json()
+                    if turn:
+                        cached += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                        prompt += body["usage"]["prompt_tokens"]
+                    h += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
+                          {"role": "user", "content": f"and then {turn}"}]
+        return cached / prompt
+
+    return asyncio.run(main())
+
+
+def test_conversations_stay_on_the_replica_that_holds_them(service, affinity):
+    conversations = [f"conversation {i} about the red cat" for i in range(8)]
+    one = conversation_hit_rate(service, conversations, 4)
+    two = conversation_hit_rate(affinity, [c + " again" for c in conversations], 4)
+    assert two >= 0.8 * one, (one, two)
+    seen = {}
+    for _ in range(20):                                # stats calls reach both replicas sooner or later
+        s = httpx.get(f"{affinity}/debug/stats").json()["chat"]
+        seen[s["replica"]] = s["prefix_cache"]["query_tokens"]
+    assert len(seen) == 2 and all(q > 0 for q in seen.values()), seen   # both replicas served conversations

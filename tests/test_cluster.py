@@ -91,9 +91,11 @@ async def decision_load(url, stop: asyncio.Event, results: list):
         await asyncio.gather(*(worker() for _ in range(8)))
 
 
-async def chat_stream(url, max_tokens):
+async def chat_stream(url, max_tokens, i=0):
     """-> ("done" | "error", chunks received)."""
-    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens, "stream": True}
+    # a conversation of its own per stream: the affinity router keeps a conversation on one replica, and
+    # different ones are spread over both
+    body = {"messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": max_tokens, "stream": True}
     got, outcome = 0, None
     async with httpx.AsyncClient(timeout=120) as client:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
@@ -121,7 +123,7 @@ def test_node_loss_under_load(cluster):
     async def scenario():
         stop, results = asyncio.Event(), []
         load = asyncio.create_task(decision_load(url, stop, results))
-        streams = [asyncio.create_task(chat_stream(url, 3000)) for _ in range(6)]
+        streams = [asyncio.create_task(chat_stream(url, 3000, i)) for i in range(6)]
         await asyncio.sleep(4)
         before = node_ids(c)
         killed_at = time.monotonic()
@@ -144,4 +146,4 @@ def test_node_loss_under_load(cluster):
     assert "error" in {o for o, _ in outcomes}, "streams on the lost node end with an error event"
     print(f"\nrecovery: node killed -> both deployments at 2 replicas again in {recovery:.1f} s; "
           f"{len(results)} decision requests during the test, all answered")
-    assert all(asyncio.run(chat_stream(url, 20))[0] == "done" for _ in range(4))   # new streams, both replicas
+    assert all(asyncio.run(chat_stream(url, 20, 100 + i))[0] == "done" for i in range(4))   # new streams, both replicas

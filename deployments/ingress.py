@@ -21,10 +21,11 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from core.decision.types import DecisionRequest
+from core.decision.types import DecisionRequest, DecisionResponse
 
 from .errors import CODE_STATUS, STATUS, error
-from .openai_api import ChatCompletionRequest, Completion, TextCompletion, TextCompletionRequest, sse, unsupported
+from .openai_api import (ChatCompletionRequest, ChatCompletionResponse, Completion, ErrorResponse, Health, ModelList,
+                         TextCompletion, TextCompletionRequest, TextCompletionResponse, sse, unsupported)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,56 @@ def validation_message(exc: ValidationError | RequestValidationError) -> tuple[s
 
 
 app = FastAPI(title="startlux-serve", docs_url=None, redoc_url=None)
+
+# (path, method) -> (request body model or None, response model, streams); the handlers parse bodies themselves
+# (bounded reads, OpenAI-shaped errors), so the published schema is assembled from the models here.
+ROUTE_MODELS = {
+    ("/v1/chat/completions", "post"): (ChatCompletionRequest, ChatCompletionResponse, True),
+    ("/v1/completions", "post"): (TextCompletionRequest, TextCompletionResponse, True),
+    ("/v1/systemone", "post"): (DecisionRequest, DecisionResponse, False),
+    ("/v1/models", "get"): (None, ModelList, False),
+    ("/healthz", "get"): (None, Health, False),
+}
+ERROR_STATUSES = {"400": "bad request: the message names the field", "401": "a missing or wrong API key",
+                  "404": "unknown route or model", "413": "body over max_body_bytes",
+                  "500": "a server fault", "503": "at capacity: retry after Retry-After seconds"}
+
+
+def openapi_schema() -> dict:
+    """OpenAPI 3.1 for every route, with the real request and response models."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+    from pydantic.json_schema import models_json_schema
+
+    schema = get_openapi(title=app.title, version="1", routes=app.routes)
+    models = {m for req, resp, _ in ROUTE_MODELS.values() for m in (req, resp) if m} | {ErrorResponse}
+    _, defs = models_json_schema([(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],
+                                 ref_template="#/components/schemas/{model}")
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+    ref = lambda m: {"$ref": f"#/components/schemas/{m.__name__}"}   # noqa: E731
+    errors = {code: {"description": what, "content": {"application/json": {"schema": ref(ErrorResponse)}}}
+              for code, what in ERROR_STATUSES.items()}
+    for (path, method), (req, resp, streams) in ROUTE_MODELS.items():
+        op = schema["paths"][path][method]
+        op.pop("parameters", None)
+        if req is not None:
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(req)}}}
+        content = {"application/json": {"schema": ref(resp)}}
+        if streams:
+            content["text/event-stream"] = {"schema": {"type": "string"}}
+        op["responses"] = {"200": {"description": "OK", "content": content}} | (errors if path != "/healthz" else {
+            "503": {"description": "a model deployment does not answer", "content": {
+                "application/json": {"schema": ref(Health)}}}})
+    for path in list(schema["paths"]):
+        if path.startswith("/debug"):
+            schema["paths"][path]["get"]["responses"] = {"200": {"description": "the replicas' counters",
+                                                                  "content": {"application/json": {}}}} | errors
+    app.openapi_schema = schema
+    return schema
+
+
+app.openapi = openapi_schema
 
 
 @app.exception_handler(APIError)

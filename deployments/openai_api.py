@@ -335,3 +335,107 @@ class TextCompletion(Completion):
 
 def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# ---- response shapes, for the published OpenAPI schema (the handlers build these as plain dicts)
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class LogprobEntry(TokenLogprob):
+    top_logprobs: list[TokenLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[LogprobEntry] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    parts: list[ContentPart] | None = None     # the reply in order, calculator calls and results included
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: ChoiceLogprobs | None = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatCompletionResponse(BaseModel):
+    """Without `stream`; with it, `text/event-stream` of `chat.completion.chunk` objects, then `data: [DONE]`."""
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+
+
+class LegacyLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TextChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: LegacyLogprobs | None = None
+    finish_reason: Literal["stop", "length"]
+    parts: list[ContentPart] | None = None
+
+
+class TextCompletionResponse(BaseModel):
+    """Without `stream`; with it, `text/event-stream` of `text_completion` chunks, then `data: [DONE]`."""
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: CompletionUsage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    owned_by: str
+    kind: Literal["chat", "decision"]
+    alias_of: str | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+    errors: dict[str, str] | None = None        # /v1/systemone: every bad question by name
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

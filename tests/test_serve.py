@@ -7,6 +7,7 @@ import threading
 import time
 
 import httpx
+from hypothesis import HealthCheck, given, settings
 import pytest
 import torch
 
@@ -489,3 +490,58 @@ def test_conversations_stay_on_the_replica_that_holds_them(service, affinity):
         s = httpx.get(f"{affinity}/debug/stats").json()["chat"]
         seen[s["replica"]] = s["prefix_cache"]["query_tokens"]
     assert len(seen) == 2 and all(q > 0 for q in seen.values()), seen   # both replicas served conversations
+
+
+# ---- the published OpenAPI schema, fuzzed (schemathesis), on a small-context model so every case is quick
+
+@pytest.fixture(scope="module")
+def fuzz_api(service, tmp_path_factory, tokenizer):
+    import schemathesis
+    from ray import serve
+
+    from deployments.app import AppArgs, wire
+
+    root = tmp_path_factory.mktemp("fuzz")
+    save_chat_model(str(root / "chat"), tiny_model("nanochat", tokenizer, sequence_len=128), tokenizer)
+    decision_dir = next(tmp_path_factory.getbasetemp().glob("serve*/decision"))
+    small = {"ray_actor_options": {"num_cpus": 0.1}}
+    options = {"ChatModel": dict(small, max_ongoing_requests=16, max_queued_requests=32),
+               "DecisionModel": dict(small, user_config={"max_batch_size": 4, "batch_wait_timeout_s": 0.01}),
+               "Ingress": dict(small, max_ongoing_requests=64)}
+    args = dict(chat_checkpoint=str(root / "chat"), decision_checkpoint=str(decision_dir), device="cpu",
+                chat_max_rows=4, max_body_bytes=50_000, max_messages=8, max_message_chars=500, max_n=2,
+                max_questions=4, decision_max_length=512)
+    serve.run(wire(AppArgs(**args), options), name="fuzz", route_prefix="/fuzz")
+    url = f"{service}/fuzz"
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    schema.config.update(base_url=url)
+    yield schema
+    assert httpx.get(f"{url}/healthz", timeout=30).status_code == 200     # healthy after the fuzzing
+    serve.delete("fuzz")
+
+
+def test_fuzzed_api(fuzz_api):
+    """Every route, schemathesis-generated requests (valid and not): no 5xx, no hang (every call has a timeout),
+    every error in OpenAI's shape, every response as the schema says."""
+    from schemathesis import checks
+
+    ran = []
+    for result in fuzz_api.get_all_operations():
+        operation = result.ok()
+
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(case=operation.as_strategy())
+        def check(case):
+            response = case.call(timeout=60)
+            if response.status_code >= 400:
+                err = response.json()["error"]
+                assert set(err) >= {"message", "type", "param", "code"} and isinstance(err["message"], str)
+            case.validate_response(response, checks=[checks.not_a_server_error, checks.status_code_conformance,
+                                                     checks.content_type_conformance,
+                                                     checks.response_schema_conformance])
+            ran.append((operation.label, response.status_code))
+
+        check()
+    assert {label for label, _ in ran} >= {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/systemone",
+                                           "GET /v1/models", "GET /healthz"}
+    assert any(code == 200 for _, code in ran) and any(code == 400 for _, code in ran)

@@ -545,3 +545,54 @@ def test_fuzzed_api(fuzz_api):
     assert {label for label, _ in ran} >= {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/systemone",
                                            "GET /v1/models", "GET /healthz"}
     assert any(code == 200 for _, code in ran) and any(code == 400 for _, code in ran)
+
+
+def test_redeploy_under_load_cuts_no_stream_and_fails_no_decision(service, tmp_path_factory):
+    """A `serve deploy` that replaces the chat and decision replicas while streams run: the old replicas drain
+    (finish what they have, up to graceful_shutdown_timeout_s), new requests go to the new ones."""
+    from ray import serve
+
+    from deployments.app import AppArgs, wire
+
+    base = tmp_path_factory.getbasetemp()
+    chat_dir, decision_dir = next(base.glob("serve*/chat")), next(base.glob("serve*/decision"))
+    small = {"ray_actor_options": {"num_cpus": 0.1}}
+    options = {"ChatModel": dict(small, max_ongoing_requests=32, graceful_shutdown_timeout_s=60),
+               "DecisionModel": dict(small, max_ongoing_requests=16, graceful_shutdown_timeout_s=60,
+                                     user_config={"max_batch_size": 4, "batch_wait_timeout_s": 0.01}),
+               "Ingress": dict(small, max_ongoing_requests=256)}
+    args = dict(chat_checkpoint=str(chat_dir), decision_checkpoint=str(decision_dir), device="cpu",
+                chat_max_rows=MAX_ROWS, max_message_chars=2000)
+    serve.run(wire(AppArgs(**args), options), name="drain", route_prefix="/drain")
+    url = f"{service}/drain"
+    streams, decisions, started = [], [], threading.Event()
+
+    def stream(i):
+        body = {"messages": user(f"hello {i}"), "max_tokens": 400, "stream": True, "temperature": 0}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+            events = sse_events(line for line in r.iter_lines() if (started.set() or True))
+        streams.append(events)
+
+    def decide():
+        while not done.is_set():
+            decisions.append(httpx.post(f"{url}/v1/systemone", json=decision_body(), timeout=120).status_code)
+
+    done = threading.Event()
+    workers = [threading.Thread(target=stream, args=(i,)) for i in range(4)] + [threading.Thread(target=decide)]
+    [w.start() for w in workers]
+    assert started.wait(60)
+    old = httpx.get(f"{url}/debug/stats").json()["chat"]["replica"]
+    serve.run(wire(AppArgs(**dict(args, chat_stream_interval=2, decision_max_length=60000)), options),
+              name="drain", route_prefix="/drain")                 # new versions of both models
+    late = chat(url, {"messages": user("after"), "max_tokens": 4})  # served by the new replicas
+    done.set()
+    [w.join(timeout=180) for w in workers]
+    assert late.status_code == 200
+    assert httpx.get(f"{url}/debug/stats").json()["chat"]["replica"] != old     # the replica was replaced
+    assert len(streams) == 4
+    for events in streams:
+        assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events)
+        text = [e for e in events if isinstance(e, dict) and e.get("choices")]
+        assert text[-1]["choices"][0]["finish_reason"] == "length"    # ran to max_tokens, not cut
+    assert decisions and set(decisions) == {200}, set(decisions)
+    serve.delete("drain")

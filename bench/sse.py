@@ -15,9 +15,10 @@ from urllib.parse import urlsplit
 
 
 class HTTPStatusError(RuntimeError):
-    def __init__(self, status: int, body: bytes):
+    def __init__(self, status: int, body: bytes, headers: dict[str, str] | None = None):
         super().__init__(f"HTTP {status}: {body[:200]!r}")
         self.status = status
+        self.headers = headers or {}
 
 
 class Connection:
@@ -72,7 +73,7 @@ class Connection:
         status, headers = await self._head()
         if status != 200:
             body = b"".join([piece async for piece in self._body(headers)])
-            raise HTTPStatusError(status, body)
+            raise HTTPStatusError(status, body, headers)
         buffer = b""
         async for piece in self._body(headers):
             buffer += piece

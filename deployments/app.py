@@ -50,6 +50,9 @@ class AppArgs(BaseModel):
     max_n: int = 8
     max_questions: int = 64
     retry_timeout_s: float = 60.0                   # how long a call whose replica died is retried elsewhere
+    max_chat_inflight: int | None = None            # generations one Ingress replica sends the chat model at once
+    max_chat_waiting: int = 64                      # more waiting in the Ingress for a slot; beyond: 503
+    refusal_delay_s: float = Field(0.0, ge=0, le=10)   # how long a refused generation waits for its 503
 
 
 def build_app(args: dict) -> Application:
@@ -74,4 +77,4 @@ def wire(a: AppArgs, options: dict[str, dict] | None = None) -> Application:
         a.decision_torch_threads)
     return Ingress.options(**options.get("Ingress", {})).bind(
         chat, decision, keys, a.max_body_bytes, a.max_messages, a.max_message_chars, a.max_n, a.max_questions,
-        a.retry_timeout_s)
+        a.retry_timeout_s, a.max_chat_inflight, a.max_chat_waiting, a.refusal_delay_s)

@@ -6,6 +6,7 @@ place where exception types become status codes.
 """
 
 import asyncio
+import collections
 import hmac
 import json
 import logging
@@ -38,6 +39,71 @@ REPLICA_LOST = (RayActorError, ActorUnavailableError)
 class APIError(Exception):
     def __init__(self, body: dict, headers: dict | None = None):
         self.body, self.headers = body, headers or {}
+
+
+class Admission:
+    """At most `limit` generations in flight from this Ingress replica, `waiting` more waiting for a slot here,
+    and anything beyond refused at once, before its body is read: a 503 then costs almost nothing, where a
+    request queued in Serve's router keeps probing the chat replicas for room (and under a retry storm those
+    probes, not the model, saturate the machine). A refusal is answered after `refusal_delay_s`: a client that
+    resends at once, ignoring Retry-After, then costs one cheap refusal per delay instead of one per round trip.
+    limit None: no limit here (Serve's queue decides)."""
+
+    def __init__(self, limit: int | None, waiting: int, refusal_delay_s: float = 0.0):
+        self.limit, self.max_waiting, self.refusal_delay_s = limit, waiting, refusal_delay_s
+        self.free = limit or 0
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    @property
+    def in_flight(self) -> int:
+        return (self.limit or 0) - self.free
+
+    async def enter(self) -> "Slot":
+        if self.limit is None:
+            return Slot(None)
+        if self.free > 0:
+            self.free -= 1
+            return Slot(self)
+        if len(self._waiters) >= self.max_waiting:
+            if self.refusal_delay_s:
+                await asyncio.sleep(self.refusal_delay_s)
+            raise APIError(error("the chat model is at capacity; retry shortly", "overloaded_error",
+                                 code="overloaded"))
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut                       # a leaving slot is handed over to us
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._leave()               # handed over just as we gave up: pass it on
+            else:
+                self._waiters.remove(fut)
+            raise
+        return Slot(self)
+
+    def _leave(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.free += 1
+
+
+class Slot:
+    """One admitted generation; `release` gives the slot back, once, however often it is called (and when the
+    slot is dropped unreleased, e.g. with a response stream that never started)."""
+
+    def __init__(self, admission: Admission | None):
+        self._admission = admission
+
+    def release(self) -> None:
+        admission, self._admission = self._admission, None
+        if admission is not None:
+            admission._leave()
+
+    def __del__(self):
+        self.release()
 
 
 def status_of(body: dict) -> int:
@@ -144,13 +210,15 @@ async def _fault(request: Request, exc: Exception):
 class Ingress:
     def __init__(self, chat: DeploymentHandle, decision: DeploymentHandle, api_keys: list[str] | None = None,
                  max_body_bytes: int = 1_000_000, max_messages: int = 256, max_message_chars: int = 32_000,
-                 max_n: int = 8, max_questions: int = 64, retry_timeout_s: float = 60.0):
+                 max_n: int = 8, max_questions: int = 64, retry_timeout_s: float = 60.0,
+                 max_chat_inflight: int | None = None, max_chat_waiting: int = 64, refusal_delay_s: float = 0.0):
         self.chat, self.decision = chat, decision
         self.chat_stream = chat.options(stream=True)   # built once: options() per request costs a handle copy
         self.api_keys = [k for k in (api_keys or []) if k]
         self.max_body_bytes, self.max_messages, self.max_message_chars = max_body_bytes, max_messages, max_message_chars
         self.max_n, self.max_questions = max_n, max_questions
         self.retry_timeout_s = retry_timeout_s
+        self.chat_admission = Admission(max_chat_inflight, max_chat_waiting, refusal_delay_s)
         self._chat_info: dict | None = None
         self._decision_info: dict | None = None
 
@@ -218,7 +286,10 @@ class Ingress:
         """Per-replica engine and batching counters of the replicas that answer (for tests and operators)."""
         self._authorize(request)
         chat, decision = await asyncio.gather(self.chat.stats.remote(), self.decision.stats.remote())
-        return {"chat": chat, "decision": decision}
+        admission = self.chat_admission
+        return {"chat": chat, "decision": decision,
+                "ingress": {"chat_in_flight": admission.in_flight, "chat_waiting": len(admission._waiters),
+                            "chat_limit": admission.limit}}
 
     async def _parse(self, request: Request, schema, openai: bool = False):
         """Key check, bounded body, JSON, (for OpenAI routes) no unsupported parameter, schema: a parsed request or
@@ -256,15 +327,32 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        return await self._admitted(request, self._chat_completion)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._admitted(request, self._text_completion)
+
+    async def _admitted(self, request: Request, handler):
+        """Key check and a slot from the chat admission first (before the body is read), then `handler`; the
+        slot goes back when the generation ends (with its stream, for a streamed response)."""
+        self._authorize(request)
+        slot = await self.chat_admission.enter()
+        try:
+            return await handler(request, slot)
+        except BaseException:
+            slot.release()
+            raise
+
+    async def _chat_completion(self, request: Request, slot: Slot):
         req = await self._parse(request, ChatCompletionRequest, openai=True)
         info = await self._chat_model(req.model)
         self._check_limits(req, info)
         self._check_sampling(req, req.max_completion_tokens or req.max_tokens, info)
         payload = {"messages": [m.for_prompter() for m in req.messages], "params": req.params()}
-        return await self._generate(payload, Completion(info["id"], req.n, logprobs=req.logprobs), req)
+        return await self._generate(payload, Completion(info["id"], req.n, logprobs=req.logprobs), req, slot)
 
-    @app.post("/v1/completions")
-    async def completions(self, request: Request):
+    async def _text_completion(self, request: Request, slot: Slot):
         req = await self._parse(request, TextCompletionRequest, openai=True)
         info = await self._chat_model(req.model)
         prompts = req.prompts()
@@ -282,7 +370,7 @@ class Ingress:
         if req.echo:
             echo = [p if isinstance(p, str) else await self.chat.detokenize.remote(p) for p in prompts]
         completion = TextCompletion(info["id"], req.n, len(prompts), logprobs=req.logprobs is not None, echo=echo)
-        return await self._generate({"prompts": prompts, "params": req.params()}, completion, req)
+        return await self._generate({"prompts": prompts, "params": req.params()}, completion, req, slot)
 
     async def _chat_model(self, model: str | None) -> dict:
         info = await self.chat_info()
@@ -291,9 +379,9 @@ class Ingress:
                                  "not_found_error", "model", "model_not_found"))
         return info
 
-    async def _generate(self, payload: dict, completion: Completion, req):
+    async def _generate(self, payload: dict, completion: Completion, req, slot: Slot):
         """Start the generation on a chat replica (retried while no replica answers), then stream its chunks or
-        gather one response."""
+        gather one response. A streamed response takes `slot` along and gives it back when the stream ends."""
         streams = []
 
         async def start():
@@ -310,7 +398,7 @@ class Ingress:
             raise APIError(first[0])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(stream, first, completion, include_usage),
+            return StreamingResponse(self._sse(stream, first, completion, include_usage, slot),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             batch = first
@@ -324,9 +412,10 @@ class Ingress:
             pass
         finally:
             stream.cancel()
+            slot.release()
         return completion.response()
 
-    async def _sse(self, stream, first: list[dict], completion: Completion, include_usage: bool):
+    async def _sse(self, stream, first: list[dict], completion: Completion, include_usage: bool, slot: Slot):
         try:
             for chunk in completion.first_chunks():
                 yield sse(chunk)
@@ -356,6 +445,7 @@ class Ingress:
             yield "data: [DONE]\n\n"
         finally:
             stream.cancel()      # the client went away (or we are done): free the engine's rows
+            slot.release()
 
     def _check_limits(self, req: ChatCompletionRequest, info: dict) -> None:
         if len(req.messages) > self.max_messages:

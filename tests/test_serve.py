@@ -53,7 +53,8 @@ def service(tmp_path_factory, tokenizer):
                 max_message_chars=2000, chat_stream_interval=3,
                 decision_model_aliases=["jev-latest"])   # tokens grouped after the first text
     serve.run(wire(AppArgs(**args), options), name="open", route_prefix="/")
-    keyed = dict(args, api_keys=["sekrit"], chat_max_rows=2)
+    keyed = dict(args, api_keys=["sekrit"], chat_max_rows=2, max_chat_inflight=2, max_chat_waiting=1,
+                 refusal_delay_s=0.2)
     serve.run(wire(AppArgs(**keyed), options), name="keyed", route_prefix="/keyed")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -596,3 +597,32 @@ def test_redeploy_under_load_cuts_no_stream_and_fails_no_decision(service, tmp_p
         assert text[-1]["choices"][0]["finish_reason"] == "length"    # ran to max_tokens, not cut
     assert decisions and set(decisions) == {200}, set(decisions)
     serve.delete("drain")
+
+
+def test_ingress_admission_refuses_before_reading_the_body(service):
+    url, auth = f"{service}/keyed", {"Authorization": "Bearer sekrit"}
+    body = {"messages": user(), "max_tokens": 2000, "stream": True}
+    with httpx.Client(timeout=60, headers=auth) as client:
+        streams = [client.stream("POST", f"{url}/v1/chat/completions", json=body) for _ in range(3)]
+        responses = [s.__enter__() for s in streams[:2]]          # two in flight
+        waiting = threading.Thread(target=lambda: client.post(f"{url}/v1/chat/completions",
+                                                              json=dict(body, stream=False, max_tokens=4)))
+        waiting.start()                                            # one waiting in the Ingress
+        deadline = time.time() + 30
+        while httpx.get(f"{url}/debug/stats", headers=auth).json()["ingress"]["chat_waiting"] < 1:
+            assert time.time() < deadline
+            time.sleep(0.1)
+        t0 = time.time()
+        refused = client.post(f"{url}/v1/chat/completions", content=b"{not json at all",
+                              headers={"content-type": "application/json"})
+        assert refused.status_code == 503 and refused.headers["retry-after"]   # not a 400: the body was never read
+        assert refused.json()["error"]["type"] == "overloaded_error" and time.time() - t0 >= 0.2
+        for s in streams[:2]:
+            s.__exit__(None, None, None)
+        waiting.join(timeout=60)
+    stats = httpx.get(f"{url}/debug/stats", headers=auth).json()["ingress"]
+    assert stats["chat_waiting"] == 0
+    deadline = time.time() + 30
+    while httpx.get(f"{url}/debug/stats", headers=auth).json()["ingress"]["chat_in_flight"]:
+        assert time.time() < deadline, "slots are given back when streams end"
+        time.sleep(0.1)

@@ -166,7 +166,10 @@ def openapi_schema() -> dict:
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(req)}}}
         content = {"application/json": {"schema": ref(resp)}}
         if streams:
-            content["text/event-stream"] = {"schema": {"type": "string"}}
+            content["text/event-stream"] = {"schema": {   # one server-sent event
+                "type": "object", "required": ["data"],
+                "properties": {"event": {"type": "string"},
+                               "data": {"type": "string", "description": "a JSON chunk, an error, or [DONE]"}}}}
         op["responses"] = {"200": {"description": "OK", "content": content}} | (errors if path != "/healthz" else {
             "503": {"description": "a model deployment does not answer", "content": {
                 "application/json": {"schema": ref(Health)}}}})

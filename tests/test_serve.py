@@ -1,5 +1,6 @@
 """The Ray Serve application end to end over HTTP: one in-process Serve instance for the whole module."""
 import asyncio
+import os
 import math
 import json
 import socket
@@ -521,6 +522,9 @@ def fuzz_api(service, tmp_path_factory, tokenizer):
     serve.delete("fuzz")
 
 
+FUZZ_EXAMPLES = int(os.environ.get("STARTLUX_FUZZ_EXAMPLES", "25"))   # cases per route; CI runs 25
+
+
 def test_fuzzed_api(fuzz_api):
     """Every route, schemathesis-generated requests (valid and not): no 5xx, no hang (every call has a timeout),
     every error in OpenAI's shape, every response as the schema says."""
@@ -530,7 +534,7 @@ def test_fuzzed_api(fuzz_api):
     for result in fuzz_api.get_all_operations():
         operation = result.ok()
 
-        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         @given(case=operation.as_strategy())
         def check(case):
             response = case.call(timeout=60)

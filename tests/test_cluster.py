@@ -147,3 +147,49 @@ def test_node_loss_under_load(cluster):
     print(f"\nrecovery: node killed -> both deployments at 2 replicas again in {recovery:.1f} s; "
           f"{len(results)} decision requests during the test, all answered")
     assert all(asyncio.run(chat_stream(url, 20, 100 + i))[0] == "done" for i in range(4))   # new streams, both replicas
+
+
+def replica_counts(c):
+    try:
+        return len(c.replica_nodes("ChatModel")), len(c.replica_nodes("DecisionModel"))
+    except (httpx.HTTPError, KeyError, ValueError):
+        return None
+
+
+def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_factory):
+    """The same application with small autoscaling targets: load takes both models from 1 replica to 2,
+    idleness back to 1, and no request fails in either transition."""
+    c, url, _ = cluster
+    path = next(tmp_path_factory.getbasetemp().glob("cluster*/serve_config.yaml"))
+    cfg = yaml.safe_load(path.read_text())
+    for d in cfg["applications"][0]["deployments"]:
+        if d["name"] in ("ChatModel", "DecisionModel"):
+            d.pop("num_replicas", None)
+            d["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
+                                       "upscale_delay_s": 1, "downscale_delay_s": 8, "look_back_period_s": 2}
+            d["graceful_shutdown_timeout_s"] = 120
+    auto = path.with_name("serve_config.autoscaling.yaml")
+    auto.write_text(yaml.safe_dump(cfg))
+    c.deploy(str(auto))
+    wait_until(lambda: replica_counts(c) == (1, 1) and healthy(url), 240, "did not settle at one replica each")
+
+    async def scenario():
+        stop, results = asyncio.Event(), []
+        t0 = time.monotonic()
+        load = asyncio.create_task(decision_load(url, stop, results))
+        streams = [asyncio.create_task(chat_stream(url, 1500, 200 + i)) for i in range(6)]
+        await asyncio.to_thread(wait_until, lambda: replica_counts(c) == (2, 2), 240, "no scale-up under load")
+        up = time.monotonic() - t0
+        outcomes = await asyncio.wait_for(asyncio.gather(*streams), 240)
+        stop.set()
+        await asyncio.wait_for(load, 120)
+        idle = time.monotonic()
+        await asyncio.to_thread(wait_until, lambda: replica_counts(c) == (1, 1), 240, "no scale-down when idle")
+        return up, time.monotonic() - idle, outcomes, results
+
+    up, down, outcomes, results = asyncio.run(scenario())
+    assert results and set(results) == {200}, f"decisions failed: {set(results)}"
+    assert [o for o, _ in outcomes] == ["done"] * 6, outcomes
+    assert all(asyncio.run(chat_stream(url, 10, 300 + i))[0] == "done" for i in range(2))
+    print(f"\nautoscaling: load -> 2 replicas of each model in {up:.1f} s; idle -> 1 each in {down:.1f} s; "
+          f"{len(results)} decisions and 6 streams, none failed")

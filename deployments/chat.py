@@ -98,10 +98,6 @@ def token_entry(tok: ChatTokenizer, token_id: int, logprob: float) -> dict:
 async def merged(streams: list, n: int) -> AsyncIterator[list]:
     """Several engine streams (one per prompt, each of n samples) as one: a batch of events whenever any stream has
     one, each event's sample index moved to prompt * n + sample (OpenAI's choice order)."""
-    if len(streams) == 1:
-        async for batch in streams[0]:
-            yield batch
-        return
     pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
     try:
         while pending:
@@ -212,7 +208,7 @@ class ChatModel:
             prompts = self._prompt_ids(request, params)
             for ids in prompts:
                 streams.append(self.engine.generate(ids, params))
-            stream = merged(streams, params.n)
+            stream = streams[0] if len(streams) == 1 else merged(streams, params.n)
             batch = await stream.__anext__()
         except (PromptError, SamplingError, EngineError) as e:
             await close_all(streams)

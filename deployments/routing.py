@@ -54,11 +54,22 @@ class ConversationAffinityRouter(RequestRouter):
         self._owner: OrderedDict[int, ReplicaID] = OrderedDict()
         self._max_keys = max_keys
         self._imbalance = imbalance
+        # keys of requests being routed, computed once per request (routing may try several times, and
+        # on_request_routed needs them again); bounded for requests cancelled before they are routed
+        self._pending: OrderedDict[str, list[int]] = OrderedDict()
 
-    def _keys(self, pending_request: PendingRequest | None) -> list[int]:
+    def _keys(self, pending_request: PendingRequest | None, done: bool = False) -> list[int]:
         if pending_request is None or not pending_request.args:
             return []
-        return conversation_keys(pending_request.args[0])
+        rid = pending_request.metadata.internal_request_id
+        keys = self._pending.pop(rid, None) if done else self._pending.get(rid)
+        if keys is None:
+            keys = conversation_keys(pending_request.args[0])
+            if not done:
+                self._pending[rid] = keys
+                while len(self._pending) > 10_000:
+                    self._pending.popitem(last=False)
+        return keys
 
     def holder(self, keys: list[int], candidates: dict[ReplicaID, RunningReplica]) -> RunningReplica | None:
         """The live replica that took this conversation's longest known prefix."""
@@ -89,7 +100,7 @@ class ConversationAffinityRouter(RequestRouter):
         return [[holder], balanced] if balanced else [[holder]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        for key in self._keys(pending_request):
+        for key in self._keys(pending_request, done=True):
             self._owner[key] = replica_id
             self._owner.move_to_end(key)
         while len(self._owner) > self._max_keys:

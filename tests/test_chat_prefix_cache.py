@@ -43,9 +43,8 @@ def test_eviction_is_least_recently_used_and_pinned_rows_stay():
     pool.pin(2, list(range(1000, 1020)))            # a pinned row is not in the pool's free rows
     rows = [pool.allocate() for _ in range(2)]
     assert set(rows) == {0, 1} and pool.n_free == 0
-    pool.release(rows[0], [1] * 20)
     pool.release(rows[1], [2] * 20)
-    pool.touch(rows[0])                              # used again: now the most recent
+    pool.release(rows[0], [1] * 20)                  # released last: the most recently used
     assert pool.allocate() == rows[1]                # the least recently used cached row goes first
     assert rows[1] not in pool.tokens and rows[0] in pool.tokens
     assert pool.match(list(range(1000, 1020)) + [5], limit=30).row == 2

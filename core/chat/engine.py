@@ -318,10 +318,11 @@ class LLMEngine:
             self._accept(req, s, tok, False, events, lp)
         self._observe()
 
-    def _sample(self, logits: torch.Tensor, targets: list[tuple[_Request, _Sample]],
-                forced: list[bool] | None = None) -> tuple[list[int], list[LogprobResult | None]]:
+    def _sample(self, logits: torch.Tensor,
+                targets: list[tuple[_Request, _Sample]]) -> tuple[list[int], list[LogprobResult | None]]:
         """Sample one token per target row; the rows whose requests ask for it get their logits processed first
-        (bias, penalties) and their log-probabilities computed (not for `forced` rows: those are not sampled)."""
+        (bias, penalties) and their log-probabilities computed (not for a row whose next token the calculator
+        forces: it is not sampled)."""
         ps = [r.params for r, _ in targets]
         processed = [i for i, p in enumerate(ps) if p.processes_logits]
         if processed:
@@ -330,7 +331,7 @@ class LLMEngine:
         tokens = sample(logits, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
                         [s.rng.random() for _, s in targets]).tolist()
         lps: list[LogprobResult | None] = [None] * len(targets)
-        asked = [i for i, p in enumerate(ps) if p.logprobs is not None and not (forced and forced[i])]
+        asked = [i for i, p in enumerate(ps) if p.logprobs is not None and not targets[i][1].forced]
         if asked:
             for i, res in zip(asked, logprobs(logits, asked, [tokens[i] for i in asked],
                                               [ps[i].logprobs for i in asked])):
@@ -357,7 +358,7 @@ class LLMEngine:
             ids = torch.tensor([[s.pending] for _, s in decoding], device=self.device)
             cb = CacheBatch.build(self.cache, rows, positions, 1)
             logits = self.model(ids, cb, last=torch.zeros(len(decoding), dtype=torch.long, device=self.device))
-        sampled, lps = self._sample(logits, decoding, [bool(s.forced) for _, s in decoding])
+        sampled, lps = self._sample(logits, decoding)
         for (req, s), tok, lp in zip(decoding, sampled, lps):
             s.position += 1
             if s.forced:

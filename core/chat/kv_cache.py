@@ -56,11 +56,6 @@ class KVCache:
         self.k[:, idx, :, :length] = self.k[:, src:src + 1, :, :length]
         self.v[:, idx, :, :length] = self.v[:, src:src + 1, :, :length]
 
-    def load_prefix(self, prefix: "KVCache", row: int, length: int) -> None:
-        """Copy a prefilled prefix (row 0 of `prefix`) into `row`."""
-        self.k[:, row, :, :length] = prefix.k[:, 0, :, :length]
-        self.v[:, row, :, :length] = prefix.v[:, 0, :, :length]
-
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 

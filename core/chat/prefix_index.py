@@ -132,10 +132,6 @@ class RowPool:
         if tokens:
             self._used[row] = next(self._clock)
 
-    def touch(self, row: int) -> None:
-        if row in self._used:
-            self._used[row] = next(self._clock)
-
     @property
     def n_free(self) -> int:
         return len(self.free)

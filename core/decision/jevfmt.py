@@ -242,6 +242,13 @@ class StateBlock:
         return cls(_encode(tokenizer, head_text), _encode(tokenizer, state_text), _encode(tokenizer, foot_text),
                    _encode(tokenizer, tpl["cut_marker"]))
 
+    @property
+    def shortest(self) -> int:
+        """The fewest tokens the block can be cut to: the whole state if it is shorter than the cut marker."""
+        if not self.state:
+            return 0
+        return len(self.head) + len(self.foot) + min(len(self.state), len(self.marker))
+
     def ids(self, room: int) -> tuple[list[int], int]:
         """The state block in at most `room` tokens, and how many state tokens were cut from its start (a
         marker shows the cut). PromptTooLong when not even the marker fits."""

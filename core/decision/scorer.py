@@ -299,11 +299,9 @@ class StartLuxDecision:
                 else:
                     tails = [(row, self._tail(row))]
                 for _, tail in tails:        # every prompt must fit, with the state cut as far as it goes
-                    try:
-                        block.ids(self.max_length - len(tail))
-                    except J.PromptTooLong:
+                    if len(tail) + block.shortest > self.max_length:
                         raise J.PromptTooLong(f"the question and its options need {len(tail)} tokens (with the state "
-                                              f"cut away, more); max_length is {self.max_length}") from None
+                                              f"cut away, more); max_length is {self.max_length}")
                 if row.type == "choice" and len(row.options) > self.max_options:
                     wide[key] = tails
                 else:

@@ -199,15 +199,19 @@ class ChatModel:
         each {"index", "text", "segment", "token", "forced", "closes", "finish_reason", "prompt_tokens",
         "completion_tokens", "cached_tokens"} (and "logprob" when asked): every event ready at that moment travels
         in one message (once text has gone out, held until `stream_interval` tokens have gathered or a sample
-        ends). With several prompts, sample i of prompt p has index p * n + i. A bad request yields one
-        [{"error": ...}] instead."""
+        ends). With several prompts, sample i of prompt p has index p * n + i. "resume": the token ids an earlier
+        run of this request had delivered (one prompt, n=1): the stream continues that run, and its events are
+        the tokens after them. A bad request yields one [{"error": ...}] instead."""
         arrival = time.monotonic()
         streams = []
         try:
             params = sampling_params(request.get("params", {}), self.defaults)
             prompts = self._prompt_ids(request, params)
+            resume = request.get("resume")
+            if resume and len(prompts) != 1:
+                raise EngineError("only a request of one prompt can continue an earlier generation")
             for ids in prompts:
-                streams.append(self.engine.generate(ids, params))
+                streams.append(self.engine.generate(ids, params, resume=resume))
             stream = streams[0] if len(streams) == 1 else merged(streams, params.n)
             batch = await stream.__anext__()
         except (PromptError, SamplingError, EngineError) as e:

@@ -20,6 +20,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
+from ray.serve.metrics import Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.decision.types import DecisionRequest, DecisionResponse
@@ -31,8 +32,9 @@ from .openai_api import (ChatCompletionRequest, ChatCompletionResponse, Completi
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
-# A replica (or its node) died under the call. Decisions are idempotent and a chat request has produced nothing
-# yet, so such calls are retried: Serve routes the retry to a healthy replica once it knows.
+# A replica (or its node) died under the call. Decisions are idempotent, and a chat generation is continued from
+# what it had delivered (ChatStream), so such calls are retried: Serve routes the retry to a healthy replica once
+# it knows.
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
 
 
@@ -104,6 +106,61 @@ class Slot:
 
     def __del__(self):
         self.release()
+
+
+class ChatStream:
+    """The event batches of one generation on the chat replicas. When the replica streaming it is lost mid-way,
+    the generation goes on on another one from the tokens received so far (ChatModel.generate's "resume": the new
+    replica prefills them after the prompt and replays their tool, text and sampler state), retried with backoff
+    for up to retry_timeout_s: the reader sees one uninterrupted stream, and a greedy or seeded generation gives
+    the tokens an unbroken run would have. Only a generation of one prompt and one sample continues (the engine
+    resumes one sample's state); another ends with the error, as does one whose retries run out."""
+
+    def __init__(self, ingress: "Ingress", payload: dict, resumable: bool):
+        self.ingress, self.payload, self.resumable = ingress, payload, resumable
+        self.stream = None
+        self.tokens: list[int] = []        # token ids received, in order (the one sample's)
+        self.ended = False                 # a finish or an error event was received
+        self.continued = 0                 # times the generation moved to another replica
+
+    async def start(self) -> list[dict]:
+        """The first batch of events; the start is retried while no replica answers."""
+        return await self.ingress._retrying(lambda: self._open(self.payload), "chat")
+
+    async def _open(self, payload: dict) -> list[dict]:
+        self.cancel()
+        self.stream = self.ingress.chat_stream.generate.remote(payload)
+        return self._record(await self.stream.__anext__())
+
+    def _record(self, batch: list[dict]) -> list[dict]:
+        for ev in batch:
+            if ev.get("token") is not None:
+                self.tokens.append(ev["token"])
+            if ev.get("finish_reason") or "error" in ev:
+                self.ended = True
+        return batch
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> list[dict]:
+        try:
+            return self._record(await self.stream.__anext__())
+        except REPLICA_LOST as e:
+            if not self.resumable or self.ended:
+                raise
+            self.continued += 1
+            self.ingress.streams_continued.inc()
+            self.ingress.continued_total += 1
+            logger.warning("chat replica lost mid-stream (%s) after %d tokens; continuing on another replica",
+                           type(e).__name__, len(self.tokens))
+            payload = self.payload | {"resume": list(self.tokens)}
+            return await self.ingress._retrying(lambda: self._open(payload), "chat")
+
+    def cancel(self) -> None:
+        """Stop the generation on its replica (its rows are freed at the engine's next step)."""
+        if self.stream is not None:
+            self.stream.cancel()
 
 
 def status_of(body: dict) -> int:
@@ -222,6 +279,9 @@ class Ingress:
         self.max_n, self.max_questions = max_n, max_questions
         self.retry_timeout_s = retry_timeout_s
         self.chat_admission = Admission(max_chat_inflight, max_chat_waiting, refusal_delay_s)
+        self.streams_continued = Counter("chat_streams_continued_total",
+                                         "Generations moved to another chat replica after theirs was lost.")
+        self.continued_total = 0
         self._chat_info: dict | None = None
         self._decision_info: dict | None = None
 
@@ -292,7 +352,7 @@ class Ingress:
         admission = self.chat_admission
         return {"chat": chat, "decision": decision,
                 "ingress": {"chat_in_flight": admission.in_flight, "chat_waiting": len(admission._waiters),
-                            "chat_limit": admission.limit}}
+                            "chat_limit": admission.limit, "chat_streams_continued": self.continued_total}}
 
     async def _parse(self, request: Request, schema, openai: bool = False):
         """Key check, bounded body, JSON, (for OpenAI routes) no unsupported parameter, schema: a parsed request or
@@ -353,7 +413,8 @@ class Ingress:
         self._check_limits(req, info)
         self._check_sampling(req, req.max_completion_tokens or req.max_tokens, info)
         payload = {"messages": [m.for_prompter() for m in req.messages], "params": req.params()}
-        return await self._generate(payload, Completion(info["id"], req.n, logprobs=req.logprobs), req, slot)
+        return await self._generate(payload, Completion(info["id"], req.n, logprobs=req.logprobs), req, slot,
+                                    resumable=req.n == 1)
 
     async def _text_completion(self, request: Request, slot: Slot):
         req = await self._parse(request, TextCompletionRequest, openai=True)
@@ -373,7 +434,8 @@ class Ingress:
         if req.echo:
             echo = [p if isinstance(p, str) else await self.chat.detokenize.remote(p) for p in prompts]
         completion = TextCompletion(info["id"], req.n, len(prompts), logprobs=req.logprobs is not None, echo=echo)
-        return await self._generate({"prompts": prompts, "params": req.params()}, completion, req, slot)
+        return await self._generate({"prompts": prompts, "params": req.params()}, completion, req, slot,
+                                    resumable=req.n == 1 and len(prompts) == 1)
 
     async def _chat_model(self, model: str | None) -> dict:
         info = await self.chat_info()
@@ -382,20 +444,15 @@ class Ingress:
                                  "not_found_error", "model", "model_not_found"))
         return info
 
-    async def _generate(self, payload: dict, completion: Completion, req, slot: Slot):
+    async def _generate(self, payload: dict, completion: Completion, req, slot: Slot, resumable: bool):
         """Start the generation on a chat replica (retried while no replica answers), then stream its chunks or
-        gather one response. A streamed response takes `slot` along and gives it back when the stream ends."""
-        streams = []
-
-        async def start():
-            streams.append(self.chat_stream.generate.remote(payload))
-            return await streams[-1].__anext__()
-
+        gather one response (either continued on another replica if its replica is lost: ChatStream). A streamed
+        response takes `slot` along and gives it back when the stream ends."""
+        stream = ChatStream(self, payload, resumable)
         try:
-            first = await self._retrying(start, "chat")
+            first = await stream.start()
         except StopAsyncIteration:
             raise APIError(error("the model ended the stream without output", "server_error")) from None
-        stream = streams[-1]
         if "error" in first[0]:
             stream.cancel()
             raise APIError(first[0])
@@ -418,7 +475,8 @@ class Ingress:
             slot.release()
         return completion.response()
 
-    async def _sse(self, stream, first: list[dict], completion: Completion, include_usage: bool, slot: Slot):
+    async def _sse(self, stream: ChatStream, first: list[dict], completion: Completion, include_usage: bool,
+                   slot: Slot):
         try:
             for chunk in completion.first_chunks():
                 yield sse(chunk)
@@ -442,7 +500,7 @@ class Ingress:
                         yield sse(completion.usage_chunk())
                     break
             yield "data: [DONE]\n\n"
-        except Exception as e:   # the model replica died mid-stream: end with an error event, never hang
+        except Exception as e:   # lost mid-stream and not continued: end with an error event, never hang
             logger.warning("chat stream failed: %r", e)
             yield sse(error("the chat stream was interrupted by a server fault; retry the request", "server_error"))
             yield "data: [DONE]\n\n"

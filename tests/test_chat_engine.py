@@ -326,3 +326,82 @@ def test_failed_graph_recording_falls_back_to_eager(nanochat_model, tokenizer, c
             assert engine.graphs is None
     assert runs[0] == runs[1]
     assert Failing.calls == 1 and "decoding eagerly" in caplog.text
+
+
+# ---- continuing a generation (a replica was lost mid-stream: another one takes over from the delivered tokens)
+def events_of(engine, rid="r", steps=400):
+    out = []
+    for _ in range(steps):
+        if not engine.has_work():
+            break
+        out += [ev for ev in engine.step() if ev.request_id == rid]
+    return out
+
+
+def shown(events):
+    """What a client has seen of a stream: (token, text, segment, forced) per token, the finish, the counts."""
+    return ([(ev.token, ev.text, ev.segment, ev.forced) for ev in events],
+            [(ev.finish_reason, ev.completion_tokens, ev.prompt_tokens) for ev in events if ev.finish_reason])
+
+
+def continued(make_engine, prompt, params, full, k, neighbours=()):
+    """The stream `full` cut after its k-th token and continued on a fresh engine: what the client sees
+    in all (the first k token events, then the continuation)."""
+    engine = make_engine()
+    for i, p in enumerate(neighbours):       # unrelated traffic in the continuation's batch
+        engine.add_request(p, SamplingParams(max_tokens=30, temperature=1.0, top_k=7), f"n{i}")
+    delivered = [ev for ev in full if ev.token is not None][:k]
+    engine.add_request(prompt, params, "r", resume=[ev.token for ev in delivered])
+    rest = events_of(engine)
+    assert all(ev.token is None or ev.completion_tokens > k for ev in rest)
+    head = full[:full.index(delivered[-1]) + 1]
+    return shown(head + rest)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=40, temperature=0.0),
+    SamplingParams(max_tokens=40, temperature=0.9, top_k=40, top_p=0.95, seed=7),
+    SamplingParams(max_tokens=40, temperature=1.0, seed=3, frequency_penalty=0.8, presence_penalty=0.5,
+                   repetition_penalty=1.3, logit_bias={11: 3.0}),
+], ids=["greedy", "seeded", "penalties"])
+def test_a_continued_generation_is_the_rest_of_the_unbroken_run(nanochat_model, tokenizer, params):
+    """Cut anywhere (after the first token, mid-way, one before the end), continued on another engine beside
+    other traffic: the client sees exactly the unbroken run's tokens, text and counts."""
+    prompt = prompts(1, seed=5)[0]
+    make = lambda: LLMEngine(nanochat_model, tokenizer, max_rows=4, prefill_chunk=16)  # noqa: E731
+    engine = make()
+    engine.add_request(prompt, params, "r")
+    full = events_of(engine)
+    tokens = [ev.token for ev in full if ev.token is not None]
+    assert len(tokens) == 40
+    alone = lambda: LLMEngine(nanochat_model, tokenizer, max_rows=1)  # noqa: E731   (one chunk, nobody beside)
+    for k in (1, 17, 39):
+        assert continued(make, prompt, params, full, k, neighbours=prompts(2, seed=k)) == shown(full), k
+        assert continued(alone, prompt, params, full, k) == shown(full), k
+
+
+def test_a_continuation_resumes_the_tool_and_the_text_state(tokenizer):
+    """A stream cut inside a calculator call, inside its forced result, inside a held-back stop-string prefix and
+    inside a multi-byte character continues exactly as it would have."""
+    parts = [("text", "so 日本"), ("special", "<|python_start|>"), ("text", "12*(3+4)"),
+             ("special", "<|python_end|>"), ("text", " ok ok ok ok ok it is are y fine"),
+             ("special", "<|assistant_end|>")]       # (the forced result takes the place of a few " ok")
+    params = SamplingParams(max_tokens=60, temperature=0.0, stop=["are you"])
+    make = lambda: scripted_engine(tokenizer, parts)[0]  # noqa: E731
+    engine = make()
+    engine.add_request([1, 2, 3], params, "r")
+    full = events_of(engine)
+    text = "".join(ev.text for ev in full)
+    assert "84" in text and "are y fine" in text and full[-1].finish_reason == "stop"
+    n = sum(ev.token is not None for ev in full)
+    for k in range(1, n - 1):
+        assert continued(make, [1, 2, 3], params, full, k) == shown(full), k
+
+
+def test_a_continuation_that_cannot_be_taken_is_refused(nanochat_model, tokenizer):
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=2)
+    end = tokenizer.encode_special("<|assistant_end|>")
+    for params, resume in [(SamplingParams(max_tokens=4, n=2), [5]), (SamplingParams(max_tokens=2), [5, 6]),
+                           (SamplingParams(max_tokens=8), [5, end]), (SamplingParams(max_tokens=8), [10 ** 9])]:
+        with pytest.raises(EngineError):
+            engine.add_request([1, 2], params, resume=resume)

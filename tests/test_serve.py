@@ -6,6 +6,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from hypothesis import HealthCheck, given, settings
@@ -492,6 +493,51 @@ def test_conversations_stay_on_the_replica_that_holds_them(service, affinity):
         s = httpx.get(f"{affinity}/debug/stats").json()["chat"]
         seen[s["replica"]] = s["prefix_cache"]["query_tokens"]
     assert len(seen) == 2 and all(q > 0 for q in seen.values()), seen   # both replicas served conversations
+
+
+
+def stream_text(url, body):
+    """A streamed chat completion: -> (text, finish_reason, completion_tokens, error events)."""
+    body = dict(body, stream=True, stream_options={"include_usage": True})
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=180) as r:
+        events = sse_events(r.iter_lines())
+    chunks = [e for e in events if isinstance(e, dict) and "error" not in e]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    return (text, finish, usage[-1]["completion_tokens"] if usage else None,
+            [e for e in events if isinstance(e, dict) and "error" in e])
+
+
+def test_streams_continue_on_another_replica_when_theirs_is_killed(service, affinity):
+    """Streams run on both chat replicas; one replica is killed mid-way. Every stream still ends normally, and
+    greedy and seeded ones give exactly the undisturbed run's text (the Ingress continued them elsewhere)."""
+    import ray
+
+    bodies = [{"messages": user(f"resume {i}"), "max_tokens": 500, "temperature": 0} for i in range(4)] + \
+             [{"messages": user(f"resume seeded {i}"), "max_tokens": 500, "temperature": 1.0, "top_k": 50,
+               "seed": 40 + i} for i in range(2)]
+    with ThreadPoolExecutor(len(bodies)) as pool:           # undisturbed, on the one-replica application
+        reference = list(pool.map(lambda b: stream_text(service, b), bodies))
+    before = httpx.get(f"{affinity}/debug/stats").json()["ingress"]["chat_streams_continued"]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        runs = [pool.submit(stream_text, affinity, b) for b in bodies]
+        victim = None
+        for _ in range(200):                   # a replica that is streaming now
+            s = httpx.get(f"{affinity}/debug/stats").json()["chat"]
+            if s["running"] >= 1:
+                victim = s["replica"]
+                break
+            time.sleep(0.05)
+        assert victim, "no replica was streaming"
+        # the replica actor's name (Serve's ReplicaID.to_full_id_str)
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::affinity#ChatModel#{victim}", namespace="serve"), no_restart=True)
+        results = [r.result(timeout=300) for r in runs]
+    for body, ref, got in zip(bodies, reference, results):
+        assert got[3] == [] and got[1] == ["length"], (body, got[1], got[3])
+        assert got[:3] == ref[:3], body
+    after = httpx.get(f"{affinity}/debug/stats").json()["ingress"]["chat_streams_continued"]
+    assert after > before, "no stream was continued: the kill hit nothing"
 
 
 # ---- the published OpenAPI schema, fuzzed (schemathesis), on a small-context model so every case is quick

@@ -38,7 +38,7 @@ class EventRouter(ABC):
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
 
     @abstractmethod
-    def _submit(self, prompt: list[int], params: SamplingParams, rid: str) -> None:
+    def _submit(self, prompt: list[int], params: SamplingParams, rid: str, resume: list[int] | None) -> None:
         """Hand the request to the engine (raising if it refuses at once)."""
 
     @abstractmethod
@@ -66,19 +66,19 @@ class EventRouter(ABC):
             except RuntimeError:   # that loop has closed: its callers are gone
                 pass
 
-    async def generate(self, prompt: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[list[TokenEvent]]:
+    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                       resume: list[int] | None = None) -> AsyncIterator[list[TokenEvent]]:
         """Stream the events of one request until each of its samples has finished. Each item is every event
         that was ready at that moment (one or more): under load, callers pass tokens on in fewer, larger
         messages instead of paying a hop per token. A request the engine refuses raises its error (EngineError,
-        EngineFull) from the first iteration."""
+        EngineFull) from the first iteration. resume: continue an earlier run (LLMEngine.add_request)."""
         queue: asyncio.Queue = asyncio.Queue()
         rid = request_id or f"req-{uuid.uuid4().hex}"
         if rid in self._queues:
             raise EngineError(f"request id {rid!r} is already in use")
         self._queues[rid] = (asyncio.get_running_loop(), queue)   # before the engine can emit anything for it
         try:
-            self._submit(prompt, params, rid)
+            self._submit(prompt, params, rid, resume)
         except Exception:
             self._queues.pop(rid, None)
             raise
@@ -128,8 +128,8 @@ class AsyncEngine(EventRouter):
             if self.on_step is not None:
                 self.on_step(self.engine.stats)
 
-    def _submit(self, prompt: list[int], params: SamplingParams, rid: str) -> None:
-        self.engine.add_request(prompt, params, rid)
+    def _submit(self, prompt: list[int], params: SamplingParams, rid: str, resume: list[int] | None) -> None:
+        self.engine.add_request(prompt, params, rid, resume)
         self._wake.set()
 
     def _cancel(self, rid: str) -> None:

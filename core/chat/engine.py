@@ -13,6 +13,10 @@ Design (after vLLM's v1 engine, at nanochat's scale):
   token ids; a new prompt that starts with the same ids takes over such a row (or copies from a row that
   must stay: a running request's, or the pinned row of the few-shot prefix) and prefills only the rest.
 - The calculator runs between steps: after `<|python_end|>` its result is forced into the row.
+- A request may continue an earlier generation of the same prompt (`resume`: the tokens that generation had
+  delivered, e.g. on a replica that was lost): those tokens are prefilled after the prompt and replayed through
+  the per-token bookkeeping (tool state, text decoder, stop strings, penalties) and the sample's random stream
+  advances one draw per token, as it did in the first run, so the continuation is the rest of that run.
 - When every row is taken, new requests wait; `max_waiting` bounds the queue.
 
 `Engine` keeps seed 000's offline API (`generate`, `generate_batch`) on top of the same machinery.
@@ -92,6 +96,7 @@ class _Request:
     params: SamplingParams
     max_new: int
     samples: list[_Sample]
+    resume: list[int] = field(default_factory=list)   # tokens already generated, continued from (n == 1)
     prefilled: int = 0
     cached: int = 0                 # prompt tokens reused (the few-shot prefix)
     arrival: float = field(default_factory=time.monotonic)
@@ -100,6 +105,11 @@ class _Request:
     @property
     def done(self) -> bool:
         return all(s.finish_reason for s in self.samples)
+
+    @property
+    def feed(self) -> list[int]:
+        """What the first sample's row is prefilled with: the prompt, then the tokens continued from."""
+        return self.prompt + self.resume if self.resume else self.prompt
 
 
 @dataclass
@@ -161,7 +171,10 @@ class LLMEngine:
             self.set_prefix(prefix_ids)
 
     # ---- requests in and out (safe to call from another thread than step())
-    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                    resume: list[int] | None = None) -> str:
+        """Queue a request; -> its id. resume: the tokens an earlier run of this prompt and these parameters had
+        generated; the request continues that run (events for the new tokens only; token counts include them)."""
         if not prompt:
             raise EngineError("the prompt is empty")
         if len(prompt) >= self.sequence_len:
@@ -173,9 +186,12 @@ class LLMEngine:
             raise EngineError(f"prompt token ids must be in [0, {vocab})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise SamplingError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+        max_new = min(params.max_tokens, self.sequence_len - len(prompt))
+        if resume:
+            self._check_resume(resume, params, max_new)
         rid = request_id or f"req-{next(_ids)}"
         samples = [_Sample(i, row_rng(params.seed, i), self.tok.stream_decoder()) for i in range(params.n)]
-        req = _Request(rid, list(prompt), params, min(params.max_tokens, self.sequence_len - len(prompt)), samples)
+        req = _Request(rid, list(prompt), params, max_new, samples, list(resume or []))
         with self._lock:
             if rid in self.requests:
                 raise EngineError(f"request id {rid!r} is already in use")
@@ -184,6 +200,17 @@ class LLMEngine:
             self.requests[rid] = req
             self._inbox.append(req)
         return rid
+
+    def _check_resume(self, resume: list[int], params: SamplingParams, max_new: int) -> None:
+        if params.n != 1:
+            raise EngineError("only a request with n=1 can continue an earlier generation")
+        if len(resume) >= max_new:
+            raise EngineError(f"the generation continued from has {len(resume)} tokens; nothing is left of the "
+                              f"{max_new} it may have")
+        if min(resume) < 0 or max(resume) >= self.model.config.vocab_size:
+            raise EngineError("continued token ids must be in the vocabulary")
+        if not params.ignore_eos and self.stop_tokens & set(resume):
+            raise EngineError("the generation continued from has already ended")
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its rows are freed at the next step."""
@@ -227,7 +254,7 @@ class LLMEngine:
                 self.waiting.append(self._inbox.popleft())
         for rid in aborts:
             self._abort(rid, events)
-        self._admit()
+        self._admit(events)
         # every sample gets at most one token per step: prompts that finish prefilling now start decoding next step
         decoding = [(r, s) for r in self.running for s in r.samples if not s.finish_reason]
         if self.prefilling:
@@ -251,13 +278,14 @@ class LLMEngine:
             if not s.finish_reason:
                 self._finish(req, s, "abort", events)
 
-    def _admit(self) -> None:
+    def _admit(self, events: list[TokenEvent]) -> None:
         """Waiting requests get rows in arrival order while there are enough free ones. The first sample's row starts
         with the longest cached prefix of the prompt (at least the last prompt token is always computed, for the
         logits to sample from): a free row holding it is taken over as it is, else the prefix is copied in."""
         while self.waiting and self.pool.n_free >= self.waiting[0].params.n:
             req = self.waiting.popleft()
-            m = self.pool.match(req.prompt, limit=len(req.prompt) - 1)
+            feed = req.feed
+            m = self.pool.match(feed, limit=len(feed) - 1)
             first = req.samples[0]
             if m.length and m.free:
                 self.pool.take(m.row)
@@ -272,21 +300,46 @@ class LLMEngine:
             for s in req.samples:
                 if req.params.processes_logits:
                     self.logits.start(s.row, req.params, req.prompt)
-            req.prefilled = req.cached = m.length
+            req.prefilled, req.cached = m.length, min(m.length, len(req.prompt))
+            if req.resume and not self._replay(req, first, events):
+                self.running.append(req)            # it ended inside the replay: _retire frees its row
+                continue
             self.prefilling.append(req)
+
+    def _replay(self, req: _Request, s: _Sample, events: list[TokenEvent]) -> bool:
+        """Bring sample `s` to where the run it continues stopped: each resumed token goes through `_accept` (its
+        events are dropped: they were delivered before) and takes one draw of the sample's random stream, as a
+        step does for every row, forced or not. -> whether the sample is still running (a stop string hit by
+        the replay ends it, with its finish event)."""
+        scratch: list[TokenEvent] = []
+        for tok in req.resume:
+            s.rng.random()
+            forced = bool(s.forced) and s.forced[0] == tok
+            if forced:
+                s.forced.popleft()
+            else:
+                s.forced.clear()        # the client's tokens left the calculator's result: theirs stand
+            self._accept(req, s, tok, forced, scratch)
+            if s.finish_reason:
+                events.append(scratch[-1])
+                return False
+        self._observe()                 # penalties count the resumed tokens before the first new one is drawn
+        return True
 
     def _prefill(self, events: list[TokenEvent]) -> None:
         budget, batch = self.prefill_chunk, []
+        feeds = {}
         for req in self.prefilling:
             if budget <= 0:
                 break
-            take = min(budget, len(req.prompt) - req.prefilled)
+            feeds[req.id] = feed = req.feed
+            take = min(budget, len(feed) - req.prefilled)
             batch.append((req, take))
             budget -= take
         T = max(take for _, take in batch)
         ids = torch.zeros(len(batch), T, dtype=torch.long)
         for j, (req, take) in enumerate(batch):
-            ids[j, :take] = torch.tensor(req.prompt[req.prefilled:req.prefilled + take])
+            ids[j, :take] = torch.tensor(feeds[req.id][req.prefilled:req.prefilled + take])
         rows = [req.samples[0].row for req, _ in batch]
         start = [req.prefilled for req, _ in batch]
         # right padding: a padded position lies beyond its row's prompt, is masked for that row's queries and is
@@ -297,25 +350,29 @@ class LLMEngine:
         finished = []
         for j, (req, take) in enumerate(batch):
             req.prefilled += take
-            if req.prefilled == len(req.prompt):
+            if req.prefilled == len(feeds[req.id]):
                 finished.append((j, req))
         if not finished:
             return
         # each sample of a finished prompt draws its own first token from the prompt's last logits
         rows_logits, targets = [], []
         for j, req in finished:
-            self.cache.copy_rows(req.samples[0].row, [s.row for s in req.samples[1:]], len(req.prompt))
+            feed = feeds[req.id]
+            self.cache.copy_rows(req.samples[0].row, [s.row for s in req.samples[1:]], len(feed))
             if self.prefix_caching:                 # the prompt's keys are final: other requests may copy them
-                self.pool.hold(req.samples[0].row, req.prompt)
+                self.pool.hold(req.samples[0].row, feed)
             for s in req.samples:
-                s.position = len(req.prompt)
+                s.position = len(feed)
                 rows_logits.append(j)
                 targets.append((req, s))
             self.prefilling.remove(req)
             self.running.append(req)
         tokens, lps = self._sample(logits[torch.tensor(rows_logits, device=self.device)], targets)
         for (req, s), tok, lp in zip(targets, tokens, lps):
-            self._accept(req, s, tok, False, events, lp)
+            if s.forced:                            # a continuation that stopped inside a calculator result
+                self._accept(req, s, s.forced.popleft(), True, events)
+            else:
+                self._accept(req, s, tok, False, events, lp)
         self._observe()
 
     def _sample(self, logits: torch.Tensor,
@@ -463,7 +520,7 @@ class LLMEngine:
         never was). A sample whose prompt was still prefilling holds the prefilled part if it is the first."""
         if s.position:
             return (req.prompt + s.generated)[:s.position]
-        return req.prompt[:req.prefilled] if s is req.samples[0] else []
+        return req.feed[:req.prefilled] if s is req.samples[0] else []
 
     def fail_all(self, reason: str = "error") -> list[TokenEvent]:
         """End every request (after a fault in the model); the engine stays usable."""

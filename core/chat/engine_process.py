@@ -7,7 +7,7 @@ chat replica the service's bottleneck (bench/README.md). `ProcessEngine`
 runs `LLMEngine` in a child process of its own, as vLLM's engine core does, and talks to it over a private
 socket pair:
 
-    parent -> child   ("start", EngineSpec) once, then ("add", rid, prompt, params) | ("abort", rid) | ("stop",)
+    parent -> child   ("start", EngineSpec) once, then ("add", rid, prompt, params, resume) | ("abort", rid) | ("stop",)
     child -> parent   ("ready", info) | ("failed", message) once, then ("events", [TokenEvent]) |
                       ("rejected", rid, exception) | ("stats", EngineStats)
 
@@ -187,8 +187,8 @@ class ProcessEngine(EventRouter):
         for rid in list(self._queues):              # one exception per request: each is raised in its own task
             self._fail([rid], EngineDied("the chat engine process stopped"))
 
-    def _submit(self, prompt: list[int], params: SamplingParams, rid: str) -> None:
-        self._send(("add", rid, list(prompt), params))
+    def _submit(self, prompt: list[int], params: SamplingParams, rid: str, resume: list[int] | None) -> None:
+        self._send(("add", rid, list(prompt), params, resume))
 
     def _cancel(self, rid: str) -> None:
         try:
@@ -260,7 +260,7 @@ def serve_engine(conn: Connection) -> None:
             msg = conn.recv()                       # EOFError when the parent is gone: the process ends
             if msg[0] == "add":
                 try:
-                    engine.add_request(msg[2], msg[3], msg[1])
+                    engine.add_request(msg[2], msg[3], msg[1], msg[4])
                 except (EngineError, EngineFull) as e:
                     conn.send(("rejected", msg[1], e))
             elif msg[0] == "abort":

@@ -259,7 +259,7 @@ def test_stream_interval_partition(checkpoint):
         max_rows = 4
         dies = False
 
-        async def generate(self, prompt, params):
+        async def generate(self, prompt, params, resume=None):
             for step in steps:
                 yield step
             if self.dies:

@@ -11,10 +11,11 @@ import hmac
 import json
 import logging
 import time
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -36,6 +37,17 @@ RETRY_AFTER_S = "1"
 # what it had delivered (ChatStream), so such calls are retried: Serve routes the retry to a healthy replica once
 # it knows.
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
+
+
+# The web page (deployments/web): static files from the package, served at / and /ui/<file>, under a policy that
+# runs only the page's own script and style (no inline script, no eval) and talks only to this origin.
+WEB = Path(__file__).resolve().parent / "web"
+PAGE_FILES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
+              "app.css": "text/css; charset=utf-8"}
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
 
 
 class APIError(Exception):
@@ -282,6 +294,7 @@ class Ingress:
         self.streams_continued = Counter("chat_streams_continued_total",
                                          "Generations moved to another chat replica after theirs was lost.")
         self.continued_total = 0
+        self.page = {name: (WEB / name).read_bytes() for name in PAGE_FILES}
         self._chat_info: dict | None = None
         self._decision_info: dict | None = None
 
@@ -323,6 +336,23 @@ class Ingress:
         if self._decision_info is None:
             self._decision_info = await self.decision.info.remote()
         return self._decision_info
+
+    # ---- the web page (no key needed to load it: every API call it makes sends one)
+    def _page_file(self, name: str) -> Response:
+        if name not in PAGE_FILES:
+            raise APIError(error(f"no page file {name!r}", "not_found_error"))
+        return Response(self.page[name], media_type=PAGE_FILES[name], headers=PAGE_HEADERS)
+
+    @app.get("/", include_in_schema=False)
+    async def index(self, request: Request):
+        path = request.url.path
+        if not path.endswith("/"):      # under a route prefix: the page's relative links need the slash
+            return RedirectResponse(path + "/" + (f"?{request.url.query}" if request.url.query else ""), 308)
+        return self._page_file("index.html")
+
+    @app.get("/ui/{name}", include_in_schema=False)
+    async def page_asset(self, name: str):
+        return self._page_file(name)
 
     # ---- routes
     @app.get("/healthz")

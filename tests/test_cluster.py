@@ -121,6 +121,19 @@ async def chat_stream(url, max_tokens, i=0, texts=None):
     return outcome, got
 
 
+def streaming_replicas(url, tries=30):
+    """The chat replicas that report running streams (stats calls reach each replica sooner or later)."""
+    busy = set()
+    for _ in range(tries):
+        s = httpx.get(f"{url}/debug/stats", timeout=30).json()["chat"]
+        if s["running"]:
+            busy.add(s["replica"])
+        if len(busy) == 2:
+            break
+        time.sleep(0.1)
+    return busy
+
+
 def test_node_loss_under_load(cluster):
     c, url, workers = cluster
     for deployment in ("ChatModel", "DecisionModel"):
@@ -131,8 +144,12 @@ def test_node_loss_under_load(cluster):
     async def scenario():
         stop, results = asyncio.Event(), []
         load = asyncio.create_task(decision_load(url, stop, results))
-        streams = [asyncio.create_task(chat_stream(url, 3000, i, texts)) for i in range(6)]
-        await asyncio.sleep(4)
+        streams = []
+        for i in range(6):       # one at a time, so the router's view of the replicas' load spreads them
+            streams.append(asyncio.create_task(chat_stream(url, 4000, i, texts)))
+            await asyncio.sleep(0.3)
+        busy = await asyncio.to_thread(streaming_replicas, url)
+        assert len(busy) == 2, f"streams must run on both chat replicas, saw {busy}"
         before = node_ids(c)
         killed_at = time.monotonic()
         c.kill(workers[1])                    # the node dies: SIGKILL to all of its processes
@@ -148,7 +165,7 @@ def test_node_loss_under_load(cluster):
         await asyncio.wait_for(load, 180)
         continued = (await asyncio.to_thread(httpx.get, f"{url}/debug/stats", timeout=30)).json()
         # the same six streams again, nothing killed: what each should have been
-        await asyncio.gather(*(chat_stream(url, 3000, i, undisturbed) for i in range(6)))
+        await asyncio.gather(*(chat_stream(url, 4000, i, undisturbed) for i in range(6)))
         return recovered_at - killed_at, outcomes, results, continued["ingress"]["chat_streams_continued"]
 
     recovery, outcomes, results, continued = asyncio.run(scenario())

@@ -72,6 +72,7 @@ def test_ci_runs_the_readme_test_command():
     ci = [line for line in ci if line and not line.startswith("#")]
     assert ci[-1] == readme_test_command(), ".ci/run must end with exactly the README's test command"
     assert sum("pytest" in line for line in ci) == 1
+    assert any("apt-get install" in line and "chromium" in line for line in ci), "CI installs the browser tests' browser"
 
 
 def test_readme_is_short():

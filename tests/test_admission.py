@@ -4,6 +4,8 @@ import gc
 
 import pytest
 
+from ray.exceptions import ActorUnavailableError
+
 from deployments.ingress import Admission, APIError
 
 
@@ -54,3 +56,103 @@ def test_no_limit_admits_everything():
         [s.release() for s in slots]
 
     asyncio.run(main())
+
+
+# ---- ChatStream: a generation continued on another replica when its replica is lost
+class Lost(ActorUnavailableError):
+    """What a streaming handle raises when the replica under it is gone."""
+
+    def __init__(self):
+        super().__init__("the replica is gone", None)
+
+
+class ScriptedHandle:
+    """Stands in for the chat deployment's streaming handle: each call plays the next script, a list of event
+    batches where an exception is raised in its place (a lost replica)."""
+
+    def __init__(self, scripts):
+        self.scripts, self.payloads, self.cancelled = list(scripts), [], 0
+        self.generate = self
+
+    def remote(self, payload):
+        self.payloads.append(payload)
+        return ScriptedStream(self, self.scripts.pop(0))
+
+
+class ScriptedStream:
+    def __init__(self, handle, script):
+        self.handle, self.script = handle, list(script)
+
+    async def __anext__(self):
+        if not self.script:
+            raise StopAsyncIteration
+        item = self.script.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self):
+        self.handle.cancelled += 1
+
+
+def ingress_with(handle, retry_timeout_s=5.0):
+    """The parts of an Ingress that a ChatStream uses: its handle, its retry loop and its counters."""
+    from deployments.ingress import Ingress
+
+    cls = Ingress.func_or_class
+
+    class Front:
+        _retrying = cls._retrying
+        _call = staticmethod(cls._call)
+        chat_stream, continued_total = handle, 0
+        streams_continued = type("NoMetric", (), {"inc": lambda self: None})()
+
+    front = Front()
+    front.retry_timeout_s = retry_timeout_s
+    return front
+
+
+def tok(t, finish=None):
+    return {"index": 0, "token": t, "text": str(t), "finish_reason": finish}
+
+
+def test_a_lost_replica_is_continued_from_the_tokens_received():
+    from deployments.ingress import ChatStream
+    handle = ScriptedHandle([
+        [[tok(5), tok(6)], [tok(7)], Lost()],       # dies after three tokens
+        [Lost()],                                   # the retry lands on the dead replica too
+        [[tok(8)], [tok(9, "length")]],             # another replica finishes it
+    ])
+    ingress = ingress_with(handle)
+
+    async def main():
+        stream = ChatStream(ingress, {"messages": [], "params": {"seed": 1}}, resumable=True)
+        batches = [await stream.start()]
+        while True:
+            try:
+                batches.append(await stream.__anext__())
+            except StopAsyncIteration:
+                return stream, batches
+
+    stream, batches = asyncio.run(main())
+    assert [ev["token"] for b in batches for ev in b] == [5, 6, 7, 8, 9]
+    assert "resume" not in handle.payloads[0]
+    assert handle.payloads[1]["resume"] == handle.payloads[2]["resume"] == [5, 6, 7]
+    assert handle.payloads[2]["params"] == {"seed": 1} and stream.continued == 1 and ingress.continued_total == 1
+
+
+def test_a_stream_that_cannot_be_continued_raises():
+    from deployments.ingress import ChatStream
+
+    async def run(resumable, scripts, timeout=5.0):
+        stream = ChatStream(ingress_with(ScriptedHandle(scripts), timeout), {"messages": []}, resumable)
+        await stream.start()
+        return await stream.__anext__()
+
+    with pytest.raises(Lost):                       # n > 1 or several prompts: not resumable
+        asyncio.run(run(False, [[[tok(5)], Lost()]]))
+    with pytest.raises(Lost):                       # it had already finished: nothing to continue
+        asyncio.run(run(True, [[[tok(5, "stop")], Lost()]]))
+    with pytest.raises(APIError) as e:              # no replica takes it within retry_timeout_s
+        asyncio.run(run(True, [[[tok(5)], Lost()]] + [[Lost()]] * 50, timeout=0.2))
+    assert e.value.body["error"]["code"] == "unavailable"

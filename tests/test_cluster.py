@@ -93,11 +93,12 @@ async def decision_load(url, stop: asyncio.Event, results: list):
 
 
 async def chat_stream(url, max_tokens, i=0, texts=None):
-    """-> ("done" | "error", chunks received); greedy, and with `texts`, the streamed text goes in texts[i]."""
+    """-> ("done" | "error", chunks received); with `texts`, greedy, and the streamed text goes in texts[i]."""
     # a conversation of its own per stream: the affinity router keeps a conversation on one replica, and
     # different ones are spread over both
-    body = {"messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": max_tokens, "stream": True,
-            "temperature": 0}
+    body = {"messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": max_tokens, "stream": True}
+    if texts is not None:
+        body["temperature"] = 0
     got, outcome, text = 0, None, []
     async with httpx.AsyncClient(timeout=120) as client:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:

@@ -496,11 +496,19 @@ def test_conversations_stay_on_the_replica_that_holds_them(service, affinity):
 
 
 
-def stream_text(url, body):
-    """A streamed chat completion: -> (text, finish_reason, completion_tokens, error events)."""
+def stream_text(url, body, gaps=None):
+    """A streamed chat completion: -> (text, finish_reason, completion_tokens, error events); the longest wait
+    between two lines goes into `gaps`."""
     body = dict(body, stream=True, stream_options={"include_usage": True})
+    lines, last, gap = [], None, 0.0
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=180) as r:
-        events = sse_events(r.iter_lines())
+        for line in r.iter_lines():
+            now = time.monotonic()
+            gap, last = max(gap, now - last) if last else 0.0, now
+            lines.append(line)
+    if gaps is not None:
+        gaps.append(gap)
+    events = sse_events(lines)
     chunks = [e for e in events if isinstance(e, dict) and "error" not in e]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
@@ -521,7 +529,8 @@ def test_streams_continue_on_another_replica_when_theirs_is_killed(service, affi
         reference = list(pool.map(lambda b: stream_text(service, b), bodies))
     before = httpx.get(f"{affinity}/debug/stats").json()["ingress"]["chat_streams_continued"]
     with ThreadPoolExecutor(len(bodies)) as pool:
-        runs = [pool.submit(stream_text, affinity, b) for b in bodies]
+        gaps = []
+        runs = [pool.submit(stream_text, affinity, b, gaps) for b in bodies]
         victim = None
         for _ in range(200):                   # a replica that is streaming now
             s = httpx.get(f"{affinity}/debug/stats").json()["chat"]
@@ -538,6 +547,8 @@ def test_streams_continue_on_another_replica_when_theirs_is_killed(service, affi
         assert got[:3] == ref[:3], body
     after = httpx.get(f"{affinity}/debug/stats").json()["ingress"]["chat_streams_continued"]
     assert after > before, "no stream was continued: the kill hit nothing"
+    print(f"\n{after - before} of {len(bodies)} streams continued on the other replica; the longest pause "
+          f"between two lines of a stream: {max(gaps):.2f} s")
 
 
 # ---- the published OpenAPI schema, fuzzed (schemathesis), on a small-context model so every case is quick

@@ -92,18 +92,21 @@ async def decision_load(url, stop: asyncio.Event, results: list):
         await asyncio.gather(*(worker() for _ in range(8)))
 
 
-async def chat_stream(url, max_tokens, i=0, texts=None):
-    """-> ("done" | "error", chunks received); with `texts`, greedy, and the streamed text goes in texts[i]."""
+async def chat_stream(url, max_tokens, i=0, texts=None, pauses=None):
+    """-> ("done" | "error", chunks received); with `texts`, greedy, and the streamed text goes in texts[i];
+    with `pauses`, the longest wait between two lines goes in pauses[i]."""
     # a conversation of its own per stream: the affinity router keeps a conversation on one replica, and
     # different ones are spread over both
     body = {"messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": max_tokens, "stream": True}
     if texts is not None:
         body["temperature"] = 0
-    got, outcome, text = 0, None, []
+    got, outcome, text, last, pause = 0, None, [], None, 0.0
     async with httpx.AsyncClient(timeout=120) as client:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
+                now = time.monotonic()
+                pause, last = max(pause, now - last) if last else 0.0, now
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":
@@ -119,6 +122,8 @@ async def chat_stream(url, max_tokens, i=0, texts=None):
                             outcome = "done"
     if texts is not None:
         texts[i] = "".join(text)
+    if pauses is not None:
+        pauses[i] = pause
     return outcome, got
 
 
@@ -140,14 +145,14 @@ def test_node_loss_under_load(cluster):
     for deployment in ("ChatModel", "DecisionModel"):
         assert len(set(c.replica_nodes(deployment))) == 2, "replicas must run on more than one node"
 
-    texts, undisturbed = {}, {}
+    texts, undisturbed, pauses = {}, {}, {}
 
     async def scenario():
         stop, results = asyncio.Event(), []
         load = asyncio.create_task(decision_load(url, stop, results))
         streams = []
         for i in range(6):       # one at a time, so the router's view of the replicas' load spreads them
-            streams.append(asyncio.create_task(chat_stream(url, 4000, i, texts)))
+            streams.append(asyncio.create_task(chat_stream(url, 4000, i, texts, pauses)))
             await asyncio.sleep(0.3)
         busy = await asyncio.to_thread(streaming_replicas, url)
         assert len(busy) == 2, f"streams must run on both chat replicas, saw {busy}"
@@ -176,7 +181,7 @@ def test_node_loss_under_load(cluster):
     assert texts == undisturbed, "a continued stream differs from the undisturbed run"
     print(f"\nrecovery: node killed -> both deployments at 2 replicas again in {recovery:.1f} s; "
           f"{len(results)} decision requests during the test, all answered; {continued} streams continued on "
-          f"another replica, all equal to an undisturbed run")
+          f"another replica, all equal to an undisturbed run; longest pause in a stream {max(pauses.values()):.1f} s")
     assert all(asyncio.run(chat_stream(url, 20, 100 + i))[0] == "done" for i in range(4))   # new streams, both replicas
 
 

@@ -155,6 +155,10 @@ def test_node_loss_under_load(cluster):
             streams.append(asyncio.create_task(chat_stream(url, 4000, i, texts, pauses)))
             await asyncio.sleep(0.3)
         busy = await asyncio.to_thread(streaming_replicas, url)
+        while len(busy) < 2 and len(streams) < 10:    # the router may still have put them all on one
+            streams.append(asyncio.create_task(chat_stream(url, 4000, len(streams), texts, pauses)))
+            await asyncio.sleep(0.3)
+            busy |= await asyncio.to_thread(streaming_replicas, url, 10)
         assert len(busy) == 2, f"streams must run on both chat replicas, saw {busy}"
         before = node_ids(c)
         killed_at = time.monotonic()
@@ -170,13 +174,13 @@ def test_node_loss_under_load(cluster):
         stop.set()
         await asyncio.wait_for(load, 180)
         continued = (await asyncio.to_thread(httpx.get, f"{url}/debug/stats", timeout=30)).json()
-        # the same six streams again, nothing killed: what each should have been
-        await asyncio.gather(*(chat_stream(url, 4000, i, undisturbed) for i in range(6)))
+        # the same streams again, nothing killed: what each should have been
+        await asyncio.gather(*(chat_stream(url, 4000, i, undisturbed) for i in range(len(streams))))
         return recovered_at - killed_at, outcomes, results, continued["ingress"]["chat_streams_continued"]
 
     recovery, outcomes, results, continued = asyncio.run(scenario())
     assert results and all(code == 200 for code in results), f"decisions lost: {set(results)}"
-    assert [o for o, _ in outcomes] == ["done"] * 6, outcomes          # no stream broken
+    assert {o for o, _ in outcomes} == {"done"}, outcomes              # no stream broken
     assert continued >= 1, "no stream was on the lost node: the test proved nothing"
     assert texts == undisturbed, "a continued stream differs from the undisturbed run"
     print(f"\nrecovery: node killed -> both deployments at 2 replicas again in {recovery:.1f} s; "

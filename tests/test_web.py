@@ -229,6 +229,11 @@ def test_errors_are_shown_as_messages(service, open_page):
     expect(page.locator("#error")).to_contain_text("max_tokens")
     expect(page.locator(".msg.assistant")).to_have_count(0)
     expect(page.locator("#send")).to_be_enabled()
+    setting(page, "max-tokens", "")                          # fixed: the failed turn is sent again
+    page.click("#regenerate")
+    expect(reply(page)).not_to_be_empty(timeout=60_000)
+    expect(page.locator("#error")).to_be_hidden()
+    expect(page.locator(".msg")).to_have_count(2)
 
     keyed = keyed_page(open_page, service)                   # 503: the keyed service takes one generation at once
     body = {"messages": [{"role": "user", "content": "busy"}], "max_tokens": 6000, "stream": True, "temperature": 0}

@@ -176,7 +176,7 @@ function renderConversation() {
   const busy = controller !== null;
   $("send").disabled = busy;
   $("stop").disabled = !busy;
-  $("regenerate").disabled = busy || !conversation.some((m) => m.role === "assistant");
+  $("regenerate").disabled = busy || !conversation.length;      // also resends a turn whose reply failed
 }
 
 function editMessage(index) {

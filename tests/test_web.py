@@ -200,6 +200,16 @@ def test_a_key_is_asked_for_and_kept_in_the_page(service, open_page):
     expect(page.locator("#model-name")).to_contain_text("endless")
     assert KEY not in page.url
     assert page.evaluate("JSON.stringify(sessionStorage) + JSON.stringify(localStorage)") == "{}{}"
+    page.reload()                                            # kept in memory only: asked for again
+    expect(page.locator("#key-panel")).to_be_visible()
+    page.fill("#key-input", KEY)
+    page.check("#key-remember")                              # opted in: the tab's session storage keeps it
+    page.click("#key-panel button")
+    expect(page.locator("#model-name")).to_contain_text("endless")
+    assert page.evaluate("Object.values(sessionStorage)") == [KEY] and page.evaluate("localStorage.length") == 0
+    page.reload()
+    expect(page.locator("#model-name")).to_contain_text("endless")
+    expect(page.locator("#key-panel")).to_be_hidden()
 
 
 def test_stop_aborts_and_frees_the_engine(service, open_page):

@@ -349,6 +349,23 @@ def test_decisions_from_an_example(service, open_page, tmp_path):
     expect(page.locator("#error")).to_contain_text("score")
 
 
+@pytest.mark.parametrize("example,best", [
+    ("The largest number", {"largest": "n2: 88", "less": "Yes"}),
+    ("A JSON state", {"vehicle": "o2: train", "tools": "2: two"}),
+])
+def test_every_example_gets_the_right_answers(service, open_page, example, best):
+    page = open_page(service + "/")
+    page.click("#tab-decide")
+    page.select_option("#examples", example)
+    page.click("#load-example")
+    page.click("#decide")
+    cards = page.locator(".answer")
+    expect(cards).to_have_count(len(best), timeout=60_000)
+    for i, (name, label) in enumerate(best.items()):
+        expect(cards.nth(i).locator("h3")).to_contain_text(name)
+        expect(cards.nth(i).locator(".bar-row.best .bar-label")).to_have_text(label)
+
+
 def test_the_page_at_phone_width(service, open_page, tmp_path):
     page = open_page(service + "/", viewport={"width": 390, "height": 844}, device_scale_factor=2)
     setting(page, "temperature", "0")

@@ -300,9 +300,9 @@ const EXAMPLES = {
     },
   },
   "A JSON state": {
-    state: {note: "The printer is out of paper.", room: 4},
+    state: {room: 4, note: "Lunch is served at noon."},
     questions: {
-      animal: {type: "choice", instructions: "Which option is an animal?",
+      vehicle: {type: "choice", instructions: "Which option is a vehicle?",
                criteria: {o0: "hammer", o1: "zebra", o2: "train", o3: "lemon"}},
       tools: {type: "score", instructions: "How many of these are a tool: saw, cat, drill?",
               criteria: ["none", "one", "two", "three"]},

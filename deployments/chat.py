@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import time
 from typing import AsyncIterator
@@ -92,7 +93,8 @@ def token_entry(tok: ChatTokenizer, token_id: int, logprob: float) -> dict:
     name and has no bytes; a token that is part of a multi-byte character shows U+FFFD and its own bytes."""
     raw = tok.token_bytes(token_id)
     text = raw.decode("utf-8", errors="replace") if raw or not tok.is_special(token_id) else tok.decode([token_id])
-    return {"token": text, "bytes": list(raw), "logprob": logprob}
+    # -inf (a token that cannot be drawn) as OpenAI shows it; JSON has no infinities
+    return {"token": text, "bytes": list(raw), "logprob": logprob if math.isfinite(logprob) else -9999.0}
 
 
 async def merged(streams: list, n: int) -> AsyncIterator[list]:

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from core.chat.sampler import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from core.chat.sampler import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY
 
 
 class ContentPart(BaseModel):
@@ -79,7 +79,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False     # vLLM's extension: always generate max_tokens (fixed-length benchmarks)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)   # vLLM's extension
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=10.0)   # vLLM's extension
     logit_bias: dict[int, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     response_format: dict | None = None        # only {"type": "text"} (checked by `unsupported`)
     best_of: int | None = None                 # only equal to n (checked by `unsupported`)

@@ -117,7 +117,8 @@ def test_forced_calculator_tokens_carry_no_logprobs(tokenizer):
 
 @pytest.mark.parametrize("kw,field", [
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {1: 101}}, "logit_bias"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": 5e-324}, "repetition_penalty"),
+    ({"logit_bias": {1: 101}}, "logit_bias"),
     ({"logit_bias": {-1: 1}}, "logit_bias"), ({"logit_bias": {i: 1 for i in range(301)}}, "logit_bias"),
     ({"logprobs": 21}, "top_logprobs"),
 ])
@@ -131,3 +132,22 @@ def test_logit_bias_ids_are_checked_against_the_vocabulary(nanochat_model, token
     engine = LLMEngine(nanochat_model, tokenizer, max_rows=1)
     with pytest.raises(SamplingError, match="logit_bias"):
         engine.add_request([1, 2], SamplingParams(logit_bias={tokenizer.vocab_size: 1.0}))
+
+
+def test_extreme_values_in_range_keep_every_number_finite(nanochat_model, tokenizer):
+    """The smallest repetition penalty and a vanishing temperature (found by the fuzzer as a 500: NaN logprobs):
+    the penalty's tokens stay finite, and a temperature below GREEDY_BELOW samples exactly the greedy tokens."""
+    import math
+
+    from core.chat.sampler import MIN_REPETITION_PENALTY
+
+    def run(**kw):
+        engine = LLMEngine(nanochat_model, tokenizer, max_rows=1)
+        engine.add_request([5, 9, 100, 42, 9], SamplingParams(max_tokens=12, logprobs=3, **kw), "r")
+        return [ev for _ in range(30) for ev in engine.step() if ev.token is not None]
+
+    events = run(temperature=1.0, seed=1, repetition_penalty=MIN_REPETITION_PENALTY)
+    assert all(math.isfinite(ev.logprob) and all(math.isfinite(lp) for _, lp in ev.top_logprobs) for ev in events)
+    tiny = run(temperature=1e-300, seed=1, top_k=5)      # (1e-300 is 0 in float32: logits / 0)
+    assert [ev.token for ev in tiny] == [ev.token for ev in run(temperature=0.0)]
+    assert all(math.isfinite(ev.logprob) for ev in tiny)

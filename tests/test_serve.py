@@ -243,6 +243,7 @@ def test_real_client_requests(service, name):
     ({"messages": []}, 400, "messages"),
     ({"messages": user(), "temperature": 5}, 400, "temperature"),
     ({"messages": user(), "top_p": 0}, 400, "top_p"),
+    ({"messages": user(), "repetition_penalty": 5e-324}, 400, "repetition_penalty"),   # found by the fuzzer
     ({"messages": user(), "n": 50}, 400, "n must be at most"),
     ({"messages": user(), "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": user(), "max_tokens": 99999}, 400, "max_tokens"),

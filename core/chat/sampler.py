@@ -15,6 +15,9 @@ import torch
 
 MAX_LOGIT_BIAS = 300
 MAX_TOP_LOGPROBS = 20
+MIN_REPETITION_PENALTY = 0.01   # logits divided by less overflow float32 (and the penalty means nothing more)
+GREEDY_BELOW = 1e-5            # a temperature below this is greedy, its limit (vLLM's _SAMPLING_EPS): dividing
+                                # the logits by it would overflow them
 
 
 class SamplingError(ValueError):
@@ -31,7 +34,7 @@ class SamplingError(ValueError):
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
-    temperature: float = 1.0      # 0 is greedy
+    temperature: float = 1.0      # 0 (or below GREEDY_BELOW) is greedy
     top_k: int | None = None      # None or 0: no top-k filter
     top_p: float = 1.0
     seed: int | None = None
@@ -67,9 +70,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise SamplingError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise SamplingError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
-                                "repetition_penalty")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0:
+            raise SamplingError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 10], got "
+                                f"{self.repetition_penalty}", "repetition_penalty")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise SamplingError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}",
                                 "logit_bias")
@@ -97,9 +100,10 @@ def sample(logits: torch.Tensor, temperature: list[float], top_k: list[int | Non
     B, V = logits.shape
     device = logits.device
     logits = logits.float()
-    if all(t == 0.0 for t in temperature):
+    greedy_rows = [t < GREEDY_BELOW for t in temperature]
+    if all(greedy_rows):
         return logits.argmax(dim=-1)
-    temp = torch.tensor([t if t > 0 else 1.0 for t in temperature], device=device)[:, None]
+    temp = torch.tensor([1.0 if g else t for g, t in zip(greedy_rows, temperature)], device=device)[:, None]
     scaled = logits / temp
     ks = [k if k else V for k in top_k]
     probs = torch.softmax(scaled, dim=-1)
@@ -119,7 +123,7 @@ def sample(logits: torch.Tensor, temperature: list[float], top_k: list[int | Non
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))   # u < total: lands on a kept token
     tokens = torch.searchsorted(cdf, u, right=True).clamp_(max=V - 1)
     tokens = tokens[:, 0]
-    if any(t == 0.0 for t in temperature):
-        greedy = torch.tensor([t == 0.0 for t in temperature], device=device)
+    if any(greedy_rows):
+        greedy = torch.tensor(greedy_rows, device=device)
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens

@@ -334,36 +334,37 @@ $("state-kind").addEventListener("change", checkState);
 
 let questionCount = 0;
 
-function row(kind, label, value) {
+// A value from a request as a text box or a label shows it: text as it is, anything else as JSON.
+function asText(value) {
+  return value == null ? "" : (typeof value === "string" ? value : JSON.stringify(value));
+}
+
+function input(cls, label, value, placeholder) {
+  const box = el("input", cls);
+  box.value = value;
+  box.setAttribute("aria-label", label);
+  if (placeholder) box.placeholder = placeholder;
+  return box;
+}
+
+// One criterion of a question (an option or a level): its fields and a button that removes it.
+function criterion(list, kind, ...fields) {
   const line = el("div", `crit ${kind}`);
-  const input = el("input");
-  input.value = value || "";
-  input.setAttribute("aria-label", label);
-  input.placeholder = label;
   const remove = el("button", "link", "remove");
   remove.type = "button";
   remove.addEventListener("click", () => line.remove());
-  return {line, input, remove};
+  line.append(...fields, remove);
+  list.append(line);
 }
 
 function addOption(list, id, description) {
-  const {line, remove} = row("option", "", "");
-  const idInput = el("input", "opt-id");
-  idInput.value = id;
-  idInput.setAttribute("aria-label", "option id");
-  const text = el("input", "opt-text");
-  text.value = description == null ? "" : (typeof description === "string" ? description : JSON.stringify(description));
-  text.setAttribute("aria-label", "option description");
-  text.placeholder = "description";
-  line.replaceChildren(idInput, text, remove);
-  list.append(line);
+  criterion(list, "option", input("opt-id", "option id", id),
+            input("opt-text", "option description", asText(description), "description"));
 }
 
 function addLevel(list, level) {
-  const {line, input, remove} = row("level", "level", typeof level === "string" ? level : JSON.stringify(level));
-  input.className = "level-text";
-  line.replaceChildren(el("span", "level-n", String(list.children.length)), input, remove);
-  list.append(line);
+  criterion(list, "level", el("span", "level-n", String(list.children.length)),
+            input("level-text", "level", asText(level), "level"));
 }
 
 function addQuestion(type, name, question = {}) {
@@ -381,7 +382,7 @@ function addQuestion(type, name, question = {}) {
   instructions.rows = 2;
   instructions.placeholder = "instructions (text, or JSON with the box ticked)";
   const given = question.instructions;
-  instructions.value = given == null ? "" : (typeof given === "string" ? given : JSON.stringify(given));
+  instructions.value = asText(given);
   const asJSON = el("label", "inline");
   const box = el("input", "q-json");
   box.type = "checkbox";
@@ -489,7 +490,7 @@ function showAnswers(result, request) {
       card.append(el("p", "verdict", `choice: ${answer.choice}, confidence ${answer.confidence.toFixed(3)}`));
       for (const [id, p] of Object.entries(answer.probabilities)) {
         const description = asked.criteria && asked.criteria[id];
-        const label = description ? `${id}: ${typeof description === "string" ? description : JSON.stringify(description)}` : id;
+        const label = description ? `${id}: ${asText(description)}` : id;
         card.append(bar(label, p, id === answer.choice));
       }
     } else if (answer.type === "noul") {
@@ -501,7 +502,7 @@ function showAnswers(result, request) {
       card.append(el("p", "verdict", `score ${answer.score.toFixed(2)}, confidence ${answer.confidence.toFixed(3)}`));
       for (const [level, p] of levels) {
         const legend = answer.legend[level];
-        card.append(bar(`${level}: ${typeof legend === "string" ? legend : JSON.stringify(legend)}`, p, level === top));
+        card.append(bar(`${level}: ${asText(legend)}`, p, level === top));
       }
     }
     box.append(card);

@@ -97,15 +97,19 @@ class _Request:
     max_new: int
     samples: list[_Sample]
     resume: list[int] = field(default_factory=list)   # tokens already generated, continued from (n == 1)
-    feed: list[int] = field(default_factory=list)     # what the first sample's row is prefilled with: prompt + resume
     prefilled: int = 0
-    cached: int = 0                 # prompt tokens whose keys and values came from the prefix index
+    cached: int = 0                 # prompt tokens reused (the few-shot prefix)
     arrival: float = field(default_factory=time.monotonic)
     aborted: bool = False
 
     @property
     def done(self) -> bool:
         return all(s.finish_reason for s in self.samples)
+
+    @property
+    def feed(self) -> list[int]:
+        """What the first sample's row is prefilled with: the prompt, then the tokens continued from."""
+        return self.prompt + self.resume if self.resume else self.prompt
 
 
 @dataclass
@@ -187,8 +191,7 @@ class LLMEngine:
             self._check_resume(resume, params, max_new)
         rid = request_id or f"req-{next(_ids)}"
         samples = [_Sample(i, row_rng(params.seed, i), self.tok.stream_decoder()) for i in range(params.n)]
-        resume = list(resume or [])
-        req = _Request(rid, list(prompt), params, max_new, samples, resume, list(prompt) + resume)
+        req = _Request(rid, list(prompt), params, max_new, samples, list(resume or []))
         with self._lock:
             if rid in self.requests:
                 raise EngineError(f"request id {rid!r} is already in use")
@@ -325,16 +328,18 @@ class LLMEngine:
 
     def _prefill(self, events: list[TokenEvent]) -> None:
         budget, batch = self.prefill_chunk, []
+        feeds = {}
         for req in self.prefilling:
             if budget <= 0:
                 break
-            take = min(budget, len(req.feed) - req.prefilled)
+            feeds[req.id] = feed = req.feed
+            take = min(budget, len(feed) - req.prefilled)
             batch.append((req, take))
             budget -= take
         T = max(take for _, take in batch)
         ids = torch.zeros(len(batch), T, dtype=torch.long)
         for j, (req, take) in enumerate(batch):
-            ids[j, :take] = torch.tensor(req.feed[req.prefilled:req.prefilled + take])
+            ids[j, :take] = torch.tensor(feeds[req.id][req.prefilled:req.prefilled + take])
         rows = [req.samples[0].row for req, _ in batch]
         start = [req.prefilled for req, _ in batch]
         # right padding: a padded position lies beyond its row's prompt, is masked for that row's queries and is
@@ -345,14 +350,14 @@ class LLMEngine:
         finished = []
         for j, (req, take) in enumerate(batch):
             req.prefilled += take
-            if req.prefilled == len(req.feed):
+            if req.prefilled == len(feeds[req.id]):
                 finished.append((j, req))
         if not finished:
             return
         # each sample of a finished prompt draws its own first token from the prompt's last logits
         rows_logits, targets = [], []
         for j, req in finished:
-            feed = req.feed
+            feed = feeds[req.id]
             self.cache.copy_rows(req.samples[0].row, [s.row for s in req.samples[1:]], len(feed))
             if self.prefix_caching:                 # the prompt's keys are final: other requests may copy them
                 self.pool.hold(req.samples[0].row, feed)
@@ -364,7 +369,10 @@ class LLMEngine:
             self.running.append(req)
         tokens, lps = self._sample(logits[torch.tensor(rows_logits, device=self.device)], targets)
         for (req, s), tok, lp in zip(targets, tokens, lps):
-            self._take(req, s, tok, lp, events)     # forced: a continuation that stopped inside a calculator result
+            if s.forced:                            # a continuation that stopped inside a calculator result
+                self._accept(req, s, s.forced.popleft(), True, events)
+            else:
+                self._accept(req, s, tok, False, events, lp)
         self._observe()
 
     def _sample(self, logits: torch.Tensor,
@@ -410,17 +418,13 @@ class LLMEngine:
         sampled, lps = self._sample(logits, decoding)
         for (req, s), tok, lp in zip(decoding, sampled, lps):
             s.position += 1
-            self._take(req, s, tok, lp, events)
+            if s.forced:
+                self._accept(req, s, s.forced.popleft(), True, events)
+            else:
+                self._accept(req, s, tok, False, events, lp)
         self._observe()
 
     # ---- per-token bookkeeping: tool state machine, text, stop conditions
-    def _take(self, req: _Request, s: _Sample, tok: int, lp: LogprobResult | None, events: list[TokenEvent]) -> None:
-        """The row's next token: the calculator's forced one if it owes one (the draw is discarded), else `tok`."""
-        if s.forced:
-            self._accept(req, s, s.forced.popleft(), True, events)
-        else:
-            self._accept(req, s, tok, False, events, lp)
-
     def _accept(self, req: _Request, s: _Sample, tok: int, forced: bool, events: list[TokenEvent],
                 lp: LogprobResult | None = None) -> None:
         s.generated.append(tok)

@@ -129,6 +129,13 @@ class LocalCluster:
         return [a["node_id"] for a in actors
                 if a.get("class_name") == f"ServeReplica:{app}:{deployment}" and a.get("state") == "ALIVE"]
 
+    def deployments(self, app: str = "startlux") -> dict:
+        """Serve's own view of an application's deployments (status, target_num_replicas, replicas with their
+        state), from the dashboard's /api/serve/applications/, the source of `serve status`."""
+        r = httpx.get(f"http://127.0.0.1:{self.dashboard_port}/api/serve/applications/", timeout=10,
+                      headers={"Authorization": f"Bearer {self.token}"})
+        return r.json()["applications"][app]["deployments"]
+
     def wait_for_nodes(self, count: int, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -83,13 +83,25 @@ DECISION = {"state": "the cat is red", "questions": {
     "cat": {"type": "noul", "question": "is there a cat"}}}
 
 
-async def decision_load(url, stop: asyncio.Event, results: list):
+async def decision_load(url, stop: asyncio.Event, results: list, clients: int = 8):
+    """`clients` clients, each sending one decision request after another until `stop`; status codes in results."""
     async with httpx.AsyncClient(timeout=120) as client:
         async def worker():
             while not stop.is_set():
                 r = await client.post(f"{url}/v1/systemone", json=DECISION)
                 results.append(r.status_code)
-        await asyncio.gather(*(worker() for _ in range(8)))
+        await asyncio.gather(*(worker() for _ in range(clients)))
+
+
+async def chat_load(url, stop: asyncio.Event, outcomes: list, clients: int, max_tokens: int, first: int):
+    """`clients` clients, each streaming one chat completion after another until `stop` (a conversation of its
+    own each time, numbered from `first`); every stream's outcome in `outcomes`."""
+    async def worker(i):
+        n = 0
+        while not stop.is_set():
+            outcomes.append((await chat_stream(url, max_tokens, first + 1000 * i + n))[0])
+            n += 1
+    await asyncio.gather(*(worker(i) for i in range(clients)))
 
 
 async def chat_stream(url, max_tokens, i=0, texts=None, pauses=None):
@@ -189,16 +201,29 @@ def test_node_loss_under_load(cluster):
     assert all(asyncio.run(chat_stream(url, 20, 100 + i))[0] == "done" for i in range(4))   # new streams, both replicas
 
 
-def replica_counts(c):
+def targets(c):
+    """Serve's target replica counts of the two models (None when the dashboard does not answer)."""
     try:
-        return len(c.replica_nodes("ChatModel")), len(c.replica_nodes("DecisionModel"))
+        d = c.deployments()
+        return d["ChatModel"]["target_num_replicas"], d["DecisionModel"]["target_num_replicas"]
     except (httpx.HTTPError, KeyError, ValueError):
         return None
 
 
+def serving(c, n):
+    """Both models settled at n replicas in Serve's view: target n, n replicas, all RUNNING (none starting or
+    still draining)."""
+    try:
+        d = c.deployments()
+        return all(d[m]["target_num_replicas"] == n and [r["state"] for r in d[m]["replicas"]] == ["RUNNING"] * n
+                   for m in ("ChatModel", "DecisionModel"))
+    except (httpx.HTTPError, KeyError, ValueError):
+        return False
+
+
 def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_factory):
-    """The same application with small autoscaling targets: load takes both models from 1 replica to 2,
-    idleness back to 1, and no request fails in either transition."""
+    """The same application with small autoscaling targets: load takes both models from 1 replica to 2, a
+    light load (below the targets) back to 1, and no request fails in either transition."""
     c, url, _ = cluster
     path = next(tmp_path_factory.getbasetemp().glob("cluster*/serve_config.yaml"))
     cfg = yaml.safe_load(path.read_text())
@@ -211,25 +236,37 @@ def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_fact
     auto = path.with_name("serve_config.autoscaling.yaml")
     auto.write_text(yaml.safe_dump(cfg))
     c.deploy(str(auto))
-    wait_until(lambda: replica_counts(c) == (1, 1) and healthy(url), 240, "did not settle at one replica each")
+    wait_until(lambda: serving(c, 1) and healthy(url), 240, "did not settle at one replica each")
 
     async def scenario():
-        stop, results = asyncio.Event(), []
+        heavy, light, decisions, streams = asyncio.Event(), asyncio.Event(), [], []
         t0 = time.monotonic()
-        load = asyncio.create_task(decision_load(url, stop, results))
-        streams = [asyncio.create_task(chat_stream(url, 1500, 200 + i)) for i in range(6)]
-        await asyncio.to_thread(wait_until, lambda: replica_counts(c) == (2, 2), 240, "no scale-up under load")
+        # above both targets (2 ongoing requests per replica) for as long as scaling up takes
+        loads = [asyncio.create_task(decision_load(url, heavy, decisions)),
+                 asyncio.create_task(chat_load(url, heavy, streams, 6, 300, 200))]
+        await asyncio.to_thread(wait_until, lambda: targets(c) == (2, 2), 240, "no scale-up under load")
+        decided_up = time.monotonic() - t0
+        await asyncio.to_thread(wait_until, lambda: serving(c, 2), 240, "the new replicas did not start")
         up = time.monotonic() - t0
-        outcomes = await asyncio.wait_for(asyncio.gather(*streams), 240)
-        stop.set()
-        await asyncio.wait_for(load, 120)
-        idle = time.monotonic()
-        await asyncio.to_thread(wait_until, lambda: replica_counts(c) == (1, 1), 240, "no scale-down when idle")
-        return up, time.monotonic() - idle, outcomes, results
+        # below both targets: one client of each kind keeps sending while a replica of each model goes away
+        loads += [asyncio.create_task(decision_load(url, light, decisions, 1)),
+                  asyncio.create_task(chat_load(url, light, streams, 1, 50, 900))]
+        heavy.set()
+        await asyncio.wait_for(asyncio.gather(*loads[:2]), 240)
+        calm = time.monotonic()
+        await asyncio.to_thread(wait_until, lambda: targets(c) == (1, 1), 240, "no scale-down at light load")
+        decided_down = time.monotonic() - calm
+        await asyncio.to_thread(wait_until, lambda: serving(c, 1), 240, "the removed replicas did not stop")
+        down = time.monotonic() - calm
+        await asyncio.sleep(3)              # requests go on after the removed replicas are gone
+        light.set()
+        await asyncio.wait_for(asyncio.gather(*loads[2:]), 240)
+        return (decided_up, up, decided_down, down), decisions, streams
 
-    up, down, outcomes, results = asyncio.run(scenario())
-    assert results and set(results) == {200}, f"decisions failed: {set(results)}"
-    assert [o for o, _ in outcomes] == ["done"] * 6, outcomes
+    (decided_up, up, decided_down, down), decisions, streams = asyncio.run(scenario())
+    assert decisions and set(decisions) == {200}, f"decisions failed: {set(decisions)}"
+    assert streams and set(streams) == {"done"}, streams
     assert all(asyncio.run(chat_stream(url, 10, 300 + i))[0] == "done" for i in range(2))
-    print(f"\nautoscaling: load -> 2 replicas of each model in {up:.1f} s; idle -> 1 each in {down:.1f} s; "
-          f"{len(results)} decisions and 6 streams, none failed")
+    print(f"\nautoscaling: load -> Serve decides 2 replicas of each model after {decided_up:.1f} s, both serve after "
+          f"{up:.1f} s; light load -> decides 1 after {decided_down:.1f} s, the others gone after {down:.1f} s; "
+          f"{len(decisions)} decisions and {len(streams)} streams, none failed")

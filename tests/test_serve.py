@@ -489,17 +489,27 @@ def test_conversations_stay_on_the_replica_that_holds_them(service, affinity):
     one = conversation_hit_rate(service, conversations, 4)
     two = conversation_hit_rate(affinity, [c + " again" for c in conversations], 4)
     assert two >= 0.8 * one, (one, two)
-    seen = {}
-    for _ in range(20):                                # stats calls reach both replicas sooner or later
-        s = httpx.get(f"{affinity}/debug/stats").json()["chat"]
-        seen[s["replica"]] = s["prefix_cache"]["query_tokens"]
+    seen = {r: s["prefix_cache"]["query_tokens"] for r, s in chat_stats_by_replica(affinity).items()}
     assert len(seen) == 2 and all(q > 0 for q in seen.values()), seen   # both replicas served conversations
 
 
+def chat_stats_by_replica(url, tries=20):
+    """{replica: its chat stats} for the replicas that answer /debug/stats. Two calls at a time: Serve sends a
+    call to the less loaded of two replicas, and the first call in flight makes its replica the busier one."""
+    seen = {}
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(tries):
+            for s in pool.map(lambda _: httpx.get(f"{url}/debug/stats", timeout=30).json()["chat"], range(2)):
+                seen[s["replica"]] = s
+            if len(seen) == 2:
+                break
+    return seen
 
-def stream_text(url, body, gaps=None):
+
+
+def stream_text(url, body, gaps=None, started=None):
     """A streamed chat completion: -> (text, finish_reason, completion_tokens, error events); the longest wait
-    between two lines goes into `gaps`."""
+    between two lines goes into `gaps`; `started` (a threading.Event) is set at the first line."""
     body = dict(body, stream=True, stream_options={"include_usage": True})
     lines, last, gap = [], None, 0.0
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=180) as r:
@@ -507,6 +517,8 @@ def stream_text(url, body, gaps=None):
             now = time.monotonic()
             gap, last = max(gap, now - last) if last else 0.0, now
             lines.append(line)
+            if started is not None:
+                started.set()
     if gaps is not None:
         gaps.append(gap)
     events = sse_events(lines)
@@ -529,19 +541,27 @@ def test_streams_continue_on_another_replica_when_theirs_is_killed(service, affi
     with ThreadPoolExecutor(len(bodies)) as pool:           # undisturbed, on the one-replica application
         reference = list(pool.map(lambda b: stream_text(service, b), bodies))
     before = httpx.get(f"{affinity}/debug/stats").json()["ingress"]["chat_streams_continued"]
+    prefix = "SERVE_REPLICA::affinity#ChatModel#"            # the replica actors' names (ReplicaID.to_full_id_str)
+    replicas = {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(prefix)}
+    assert len(replicas) == 2, replicas
     with ThreadPoolExecutor(len(bodies)) as pool:
-        gaps = []
-        runs = [pool.submit(stream_text, affinity, b, gaps) for b in bodies]
+        gaps, started = [], threading.Event()
+        runs = [pool.submit(stream_text, affinity, b, gaps, started) for b in bodies]
         victim = None
-        for _ in range(200):                   # a replica that is streaming now
+        for _ in range(400):                   # a replica that is streaming now
             s = httpx.get(f"{affinity}/debug/stats").json()["chat"]
             if s["running"] >= 1:
                 victim = s["replica"]
+            elif started.is_set() and not gaps:
+                # Serve routes a stats call to the less loaded replica: an idle one while streams run means
+                # they all run on the other
+                victim = (replicas - {s["replica"]}).pop()
+            if victim:
                 break
             time.sleep(0.05)
         assert victim, "no replica was streaming"
-        # the replica actor's name (Serve's ReplicaID.to_full_id_str)
-        ray.kill(ray.get_actor(f"SERVE_REPLICA::affinity#ChatModel#{victim}", namespace="serve"), no_restart=True)
+        ray.kill(ray.get_actor(prefix + victim, namespace="serve"), no_restart=True)
         results = [r.result(timeout=300) for r in runs]
     for body, ref, got in zip(bodies, reference, results):
         assert got[3] == [] and got[1] == ["length"], (body, got[1], got[3])

@@ -13,6 +13,13 @@ from which Serve picks the less loaded of two as usual, so a holder that is full
 reached) or far busier than the rest (`imbalance` more requests than the least loaded, by the router's cache
 of queue lengths) does not hold a conversation hostage. Requests without history are balanced as by default.
 
+Two details of Serve's routing loop matter here. A replica whose queue length is not cached is probed with a
+deadline (0.1 s, doubled on each round); a holder that misses it on a busy host would lose its conversation,
+so the holder is tried alone first and with the others only from the second round, which Serve starts at
+once with the longer deadline. And Serve backs off between rounds only when the router says so
+(`routing_context.should_backoff`, which its own routers set when they offer every replica): without it, a
+request that finds every replica full re-probes them in a busy loop (tests/test_routing.py counts).
+
 Ray ships `PrefixCacheAffinityRouter` (ray.serve.llm.request_router) for the same purpose; it reads a routed
 request's `messages`/`prompt` attributes, matches characters in a tree held by a detached actor and calls
 `ray.get` on it while routing, blocking the caller's event loop (here the Ingress's, which relays every
@@ -54,22 +61,24 @@ class ConversationAffinityRouter(RequestRouter):
         self._owner: OrderedDict[int, ReplicaID] = OrderedDict()
         self._max_keys = max_keys
         self._imbalance = imbalance
-        # keys of requests being routed, computed once per request (routing may try several times, and
-        # on_request_routed needs them again); bounded for requests cancelled before they are routed
-        self._pending: OrderedDict[str, list[int]] = OrderedDict()
+        # per request being routed: its keys, computed once (routing may take several rounds, and
+        # on_request_routed needs them again), and whether its holder was tried alone; bounded for requests
+        # cancelled before they are routed
+        self._pending: OrderedDict[str, list] = OrderedDict()
 
-    def _keys(self, pending_request: PendingRequest | None, done: bool = False) -> list[int]:
+    def _routing(self, pending_request: PendingRequest | None, done: bool = False) -> list:
+        """[keys, holder tried alone] of a request being routed (popped with `done`)."""
         if pending_request is None or not pending_request.args:
-            return []
+            return [[], True]
         rid = pending_request.metadata.internal_request_id
-        keys = self._pending.pop(rid, None) if done else self._pending.get(rid)
-        if keys is None:
-            keys = conversation_keys(pending_request.args[0])
+        entry = self._pending.pop(rid, None) if done else self._pending.get(rid)
+        if entry is None:
+            entry = [conversation_keys(pending_request.args[0]), False]
             if not done:
-                self._pending[rid] = keys
+                self._pending[rid] = entry
                 while len(self._pending) > 10_000:
                     self._pending.popitem(last=False)
-        return keys
+        return entry
 
     def holder(self, keys: list[int], candidates: dict[ReplicaID, RunningReplica]) -> RunningReplica | None:
         """The live replica that took this conversation's longest known prefix."""
@@ -92,15 +101,30 @@ class ConversationAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         by_id = {r.replica_id: r for r in candidate_replicas}
-        holder = self.holder(self._keys(pending_request), by_id)
+        routing = self._routing(pending_request)
+        holder = self.holder(routing[0], by_id)
+        if holder is not None and not self._too_busy(holder, candidate_replicas):
+            if not routing[1]:               # first round: the holder alone, next round without a back-off
+                routing[1] = True
+                self._backoff_after(pending_request, False)
+                return [[holder]]
+        else:
+            holder = None
+        self._backoff_after(pending_request, True)
         others = [r for r in candidate_replicas if holder is None or r.replica_id != holder.replica_id]
         balanced = random.sample(others, min(2, len(others)))
-        if holder is None or self._too_busy(holder, candidate_replicas):
-            return [balanced] if balanced else [[holder]]
+        if holder is None:
+            return [balanced]
         return [[holder], balanced] if balanced else [[holder]]
 
+    @staticmethod
+    def _backoff_after(pending_request: PendingRequest | None, backoff: bool) -> None:
+        """Whether Serve waits (exponential back-off) before the next round if this one finds no replica."""
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = backoff
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        for key in self._keys(pending_request, done=True):
+        for key in self._routing(pending_request, done=True)[0]:
             self._owner[key] = replica_id
             self._owner.move_to_end(key)
         while len(self._owner) > self._max_keys:

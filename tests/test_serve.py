@@ -464,32 +464,36 @@ def affinity(service, tmp_path_factory, tokenizer):
 
 
 def conversation_hit_rate(url, conversations, turns):
-    """Every conversation sends its turns in step with the others; -> cached / prompt tokens over turns 2+."""
+    """Every conversation sends its turns in step with the others; -> (cached / prompt tokens over turns 2+,
+    [(cached, prompt) of each request] per turn)."""
     async def main():
         histories = [[{"role": "user", "content": c}] for c in conversations]
-        cached = prompt = 0
+        per_turn = []
         async with httpx.AsyncClient(timeout=120) as client:
             for turn in range(turns):
                 rs = await asyncio.gather(*(client.post(f"{url}/v1/chat/completions", json={
                     "messages": h, "max_tokens": 6, "temperature": 0}) for h in histories))
+                per_turn.append([])
                 for h, r in zip(histories, rs):
                     body = r.json()
-                    if turn:
-                        cached += body["usage"]["prompt_tokens_details"]["cached_tokens"]
-                        prompt += body["usage"]["prompt_tokens"]
+                    usage = body["usage"]
+                    per_turn[-1].append((usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]))
                     h += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
                           {"role": "user", "content": f"and then {turn}"}]
-        return cached / prompt
+        later = [x for turn in per_turn[1:] for x in turn]
+        return sum(c for c, _ in later) / sum(p for _, p in later), per_turn
 
     return asyncio.run(main())
 
 
 def test_conversations_stay_on_the_replica_that_holds_them(service, affinity):
     conversations = [f"conversation {i} about the red cat" for i in range(8)]
-    one = conversation_hit_rate(service, conversations, 4)
-    two = conversation_hit_rate(affinity, [c + " again" for c in conversations], 4)
-    assert two >= 0.8 * one, (one, two)
-    seen = {r: s["prefix_cache"]["query_tokens"] for r, s in chat_stats_by_replica(affinity).items()}
+    one, _ = conversation_hit_rate(service, conversations, 4)
+    two, turns = conversation_hit_rate(affinity, [c + " again" for c in conversations], 4)
+    replicas = chat_stats_by_replica(affinity)
+    # on a failure, the (cached, prompt) tokens of every request and each replica's engine say what went where
+    assert two >= 0.8 * one, (one, two, turns, replicas)
+    seen = {r: s["prefix_cache"]["query_tokens"] for r, s in replicas.items()}
     assert len(seen) == 2 and all(q > 0 for q in seen.values()), seen   # both replicas served conversations
 
 

@@ -33,6 +33,11 @@ def test_config_is_consistent(name):
             assert auto["target_ongoing_requests"] <= d["max_ongoing_requests"]
     rows = app["args"].get("chat_max_rows", AppArgs().chat_max_rows)
     assert deps["ChatModel"]["max_ongoing_requests"] >= rows
+    # Serve's autoscaler counts the requests that reach the chat deployment: an Ingress limit below what
+    # max_replicas replicas are meant to hold would hide the load that should add them (docs/deployment.md)
+    auto, inflight = deps["ChatModel"].get("autoscaling_config"), app["args"].get("max_chat_inflight")
+    if auto and inflight is not None:
+        assert inflight >= auto["max_replicas"] * auto["target_ongoing_requests"]
 
 
 def test_production_uses_gpus_and_local_does_not():

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import random
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -56,24 +57,30 @@ def conversation_keys(payload: Any) -> list[int]:
     return keys
 
 
+@dataclass
+class _Routing:
+    """A request being routed: its keys, computed once (routing may take several rounds, and
+    on_request_routed needs them again), and whether its holder was already offered alone."""
+    keys: list[int]
+    holder_tried: bool = False
+
+
 class ConversationAffinityRouter(RequestRouter):
     def initialize_state(self, max_keys: int = 200_000, imbalance: int = 8):
         self._owner: OrderedDict[int, ReplicaID] = OrderedDict()
         self._max_keys = max_keys
         self._imbalance = imbalance
-        # per request being routed: its keys, computed once (routing may take several rounds, and
-        # on_request_routed needs them again), and whether its holder was tried alone; bounded for requests
-        # cancelled before they are routed
-        self._pending: OrderedDict[str, list] = OrderedDict()
+        # bounded for requests cancelled before they are routed
+        self._pending: OrderedDict[str, _Routing] = OrderedDict()
 
-    def _routing(self, pending_request: PendingRequest | None, done: bool = False) -> list:
-        """[keys, holder tried alone] of a request being routed (popped with `done`)."""
+    def _routing(self, pending_request: PendingRequest | None, done: bool = False) -> _Routing:
+        """The routing state of a request (popped with `done`)."""
         if pending_request is None or not pending_request.args:
-            return [[], True]
+            return _Routing([], True)
         rid = pending_request.metadata.internal_request_id
         entry = self._pending.pop(rid, None) if done else self._pending.get(rid)
         if entry is None:
-            entry = [conversation_keys(pending_request.args[0]), False]
+            entry = _Routing(conversation_keys(pending_request.args[0]))
             if not done:
                 self._pending[rid] = entry
                 while len(self._pending) > 10_000:
@@ -102,14 +109,13 @@ class ConversationAffinityRouter(RequestRouter):
             return []
         by_id = {r.replica_id: r for r in candidate_replicas}
         routing = self._routing(pending_request)
-        holder = self.holder(routing[0], by_id)
-        if holder is not None and not self._too_busy(holder, candidate_replicas):
-            if not routing[1]:               # first round: the holder alone, next round without a back-off
-                routing[1] = True
-                self._backoff_after(pending_request, False)
-                return [[holder]]
-        else:
+        holder = self.holder(routing.keys, by_id)
+        if holder is not None and self._too_busy(holder, candidate_replicas):
             holder = None
+        if holder is not None and not routing.holder_tried:
+            routing.holder_tried = True      # first round: the holder alone, the next one without a back-off
+            self._backoff_after(pending_request, False)
+            return [[holder]]
         self._backoff_after(pending_request, True)
         others = [r for r in candidate_replicas if holder is None or r.replica_id != holder.replica_id]
         balanced = random.sample(others, min(2, len(others)))
@@ -124,7 +130,7 @@ class ConversationAffinityRouter(RequestRouter):
             pending_request.routing_context.should_backoff = backoff
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        for key in self._routing(pending_request, done=True)[0]:
+        for key in self._routing(pending_request, done=True).keys:
             self._owner[key] = replica_id
             self._owner.move_to_end(key)
         while len(self._owner) > self._max_keys:

@@ -201,24 +201,27 @@ def test_node_loss_under_load(cluster):
     assert all(asyncio.run(chat_stream(url, 20, 100 + i))[0] == "done" for i in range(4))   # new streams, both replicas
 
 
-def targets(c):
-    """Serve's target replica counts of the two models (None when the dashboard does not answer)."""
+def models(c):
+    """Serve's view of the two model deployments, or None when the dashboard does not answer."""
     try:
         d = c.deployments()
-        return d["ChatModel"]["target_num_replicas"], d["DecisionModel"]["target_num_replicas"]
+        return d["ChatModel"], d["DecisionModel"]
     except (httpx.HTTPError, KeyError, ValueError):
         return None
+
+
+def targets(c):
+    """Serve's target replica counts of the two models."""
+    ms = models(c)
+    return ms and tuple(m["target_num_replicas"] for m in ms)
 
 
 def serving(c, n):
     """Both models settled at n replicas in Serve's view: target n, n replicas, all RUNNING (none starting or
     still draining)."""
-    try:
-        d = c.deployments()
-        return all(d[m]["target_num_replicas"] == n and [r["state"] for r in d[m]["replicas"]] == ["RUNNING"] * n
-                   for m in ("ChatModel", "DecisionModel"))
-    except (httpx.HTTPError, KeyError, ValueError):
-        return False
+    ms = models(c)
+    return bool(ms) and all(m["target_num_replicas"] == n and [r["state"] for r in m["replicas"]] == ["RUNNING"] * n
+                            for m in ms)
 
 
 def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_factory):

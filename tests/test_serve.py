@@ -510,7 +510,6 @@ def chat_stats_by_replica(url, tries=20):
     return seen
 
 
-
 def stream_text(url, body, gaps=None, started=None):
     """A streamed chat completion: -> (text, finish_reason, completion_tokens, error events); the longest wait
     between two lines goes into `gaps`; `started` (a threading.Event) is set at the first line."""

@@ -166,8 +166,8 @@ def main():
         reqs = client_workload(args.requests, count=count)
         n_q = count_questions(reqs)
         kw = dict(device=args.device, max_batch_tokens=args.max_batch_tokens, dtype=dtype)
-        paths = {"full prompts": dict(share_prefix=False, prefix_cache_bytes=0),
-                 "state once": dict(prefix_cache_bytes=0),
+        paths = {"full prompts": dict(share_prefix=False, prefix_cache_mb=0),
+                 "state once": dict(prefix_cache_mb=0),
                  "state once + cache": {}}
         rows = {}
         for name, extra in paths.items():
@@ -182,7 +182,7 @@ def main():
             rows["DecisionPipeline"] = {"loop_qps": n_q / s}
             print(f"{'DecisionPipeline':22} loop {n_q / s:8.1f} q/s", flush=True)
         # one request, 1 and 8 questions, over a ~1,000-token state, state once without the cache
-        scorer = StartLuxDecision(path, **kw, prefix_cache_bytes=0)
+        scorer = StartLuxDecision(path, **kw, prefix_cache_mb=0)
         rng = random.Random(1)
         state = client_state(rng, 1000, count)
         eight = client_questions(rng, 8, tournament=False)

@@ -28,7 +28,8 @@ from tools import demo_data as D
 
 MULTITURN_TURNS = 8
 from core.chat import ChatPrompter, SamplingParams, load_chat_defaults, load_chat_tokenizer
-from core.chat.engine_process import EngineSpec, start_engine
+from core.chat.engine_process import start_engine
+from core.chat.protocol import EngineConfig, Start
 
 
 async def closed_loop(engine, prompter, clients, per_client, max_tokens, turns, ignore_eos):
@@ -117,9 +118,9 @@ def main():
     print(f"{'cache':6}{'workload':10}{'streams':>8}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
           f"{'prompt tokens computed':>24}")
     for cache in args.prefix_caching:
-        spec = EngineSpec(args.checkpoint, args.device, 32, args.prefill_chunk, 256, prompter.prefix_ids,
-                          args.torch_threads, prefix_caching=cache == "on")
-        engine = start_engine(spec, in_child_process=args.front == "process")
+        config = EngineConfig(prefill_chunk=args.prefill_chunk, torch_threads=args.torch_threads,
+                              prefix_caching=cache == "on", process=args.front == "process")
+        engine = start_engine(Start(args.checkpoint, args.device, config, tuple(prompter.prefix_ids)))
         try:
             asyncio.run(closed_loop(engine, prompter, 2, 1, 8, 0, False))     # warm-up
             for name in args.workloads:

@@ -1,8 +1,8 @@
 """The decision deployment: one StartLuxDecision per replica, requests batched with @serve.batch.
 
-Concurrent requests are collected into `decide_batch`; a batch that holds one request goes through
-`decide`, so on a GPU it replays a CUDA graph. `max_batch_size` and `batch_wait_timeout_s` are live
-settings (`user_config` -> `reconfigure`); the deployment's `max_ongoing_requests` must be at least the
+Concurrent requests are collected into the scorer's `decide_batch` (which sends a batch of one through
+`decide`, so on a GPU it replays a CUDA graph). `max_batch_size` and `batch_wait_timeout_s` are live settings
+(`user_config` -> `reconfigure`, BatchSettings); the deployment's `max_ongoing_requests` must be at least the
 batch size or batches could never fill. The model runs on a worker thread, off the event loop.
 """
 from __future__ import annotations
@@ -18,6 +18,9 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from core.decision import DecisionValidationError, StartLuxDecision
 
 from .errors import error
+from .settings import BatchSettings, DecisionSettings
+
+BATCH = BatchSettings()
 
 logger = logging.getLogger(__name__)
 
@@ -32,15 +35,12 @@ def validation_error(e: DecisionValidationError) -> dict:
 
 @serve.deployment(name="DecisionModel")
 class DecisionModel:
-    def __init__(self, checkpoint: str, device: str | None = None, model_name: str = "startlux-decision",
-                 max_length: int = 65536, max_batch_tokens: int = 65536, graphs: bool = True,
-                 model_aliases: tuple[str, ...] = (), prefix_cache_mb: float = 256, torch_threads: int | None = None):
-        if torch_threads:       # Ray sets OMP_NUM_THREADS to the replica's whole CPUs (at least 1) otherwise
-            torch.set_num_threads(torch_threads)
-        self.scorer = StartLuxDecision(checkpoint, device=device, max_length=max_length,
-                                       max_batch_tokens=max_batch_tokens, graphs=graphs,
-                                       prefix_cache_bytes=int(prefix_cache_mb * (1 << 20)))
-        self.name, self.aliases = model_name, list(model_aliases)
+    def __init__(self, settings: DecisionSettings):
+        """settings: the decision part of AppArgs; its `scorer` record goes to the scorer whole."""
+        if settings.torch_threads:   # Ray sets OMP_NUM_THREADS to the replica's whole CPUs (at least 1) otherwise
+            torch.set_num_threads(settings.torch_threads)
+        self.scorer = StartLuxDecision(settings.checkpoint, settings.scorer, device=settings.device)
+        self.name, self.aliases = settings.model_name, list(settings.model_aliases)
         self.batch_sizes: Tally = Tally()
         self.batch_size_metric = Histogram("decision_batch_size", "Requests per decision batch.",
                                            [1, 2, 4, 8, 16, 32, 64, 128], tag_keys=("model",))
@@ -54,12 +54,13 @@ class DecisionModel:
         self._reported = {"query_tokens": 0, "hit_tokens": 0}
         for m in (self.batch_size_metric, self.questions_metric, self.prefix_queries_metric, self.prefix_hits_metric,
                   self.prefix_bytes_metric):
-            m.set_default_tags({"model": model_name})   # a fresh dict each: Serve mutates it
+            m.set_default_tags({"model": self.name})   # a fresh dict each: Serve mutates it
         logger.info("decision model loaded on %s (kernels: %s)", self.scorer.device, self.scorer.kernels)
 
     def reconfigure(self, user_config: dict) -> None:
-        self._batched.set_max_batch_size(int(user_config.get("max_batch_size", 16)))
-        self._batched.set_batch_wait_timeout_s(float(user_config.get("batch_wait_timeout_s", 0.01)))
+        batch = BatchSettings.model_validate(user_config or {})
+        self._batched.set_max_batch_size(batch.max_batch_size)
+        self._batched.set_batch_wait_timeout_s(batch.batch_wait_timeout_s)
 
     def info(self) -> dict:
         return {"id": self.name, "aliases": self.aliases, "max_length": self.scorer.max_length,
@@ -74,7 +75,7 @@ class DecisionModel:
         """{"state", "questions"} -> {"model", "answers", "usage"} or {"error": ...}."""
         return await self._batched(request)
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
+    @serve.batch(max_batch_size=BATCH.max_batch_size, batch_wait_timeout_s=BATCH.batch_wait_timeout_s)
     async def _batched(self, requests: list[dict]) -> list[dict]:
         self.batch_sizes[len(requests)] += 1
         self.batch_size_metric.observe(len(requests))
@@ -92,16 +93,8 @@ class DecisionModel:
         self.prefix_bytes_metric.set(stats["bytes"])
 
     def _run(self, requests: list[dict]) -> list[dict]:
-        if len(requests) == 1:   # the graph path on a GPU
-            r = requests[0]
-            try:
-                answers, usage = self.scorer.decide(r.get("state"), r.get("questions"))
-            except DecisionValidationError as e:
-                return [validation_error(e)]
-            results = [(answers, usage)]
-        else:
-            results = self.scorer.decide_batch([(r.get("state"), r.get("questions")) for r in requests],
-                                               with_usage=True, return_exceptions=True)
+        results = self.scorer.decide_batch([(r.get("state"), r.get("questions")) for r in requests],
+                                           with_usage=True, return_exceptions=True)
         out = []
         for res in results:
             if isinstance(res, DecisionValidationError):

@@ -8,7 +8,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from core.chat.sampler import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY
+from core.chat.protocol import (MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP, MAX_TEMPERATURE,
+                                MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, Logprobs, SamplingDefaults, SamplingParams,
+                                TokenEvent, TokenLogprob)
 
 
 class ContentPart(BaseModel):
@@ -70,16 +72,16 @@ class SamplingFields(BaseModel):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     n: int = Field(default=1, ge=1)
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False     # vLLM's extension: always generate max_tokens (fixed-length benchmarks)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=10.0)   # vLLM's extension
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)   # vLLM's
     logit_bias: dict[int, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     response_format: dict | None = None        # only {"type": "text"} (checked by `unsupported`)
     best_of: int | None = None                 # only equal to n (checked by `unsupported`)
@@ -97,8 +99,8 @@ class SamplingFields(BaseModel):
         if v is None:
             return []
         v = [v] if isinstance(v, str) else v
-        if len(v) > 4 or any(not s for s in v):
-            raise ValueError("stop takes up to 4 non-empty strings")
+        if len(v) > MAX_STOP or any(not s for s in v):
+            raise ValueError(f"stop takes up to {MAX_STOP} non-empty strings")
         return v
 
     @field_validator("logit_bias")
@@ -111,12 +113,16 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
         return v
 
-    def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict:
-        return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "n": self.n, "seed": self.seed, "stop": self.stop, "ignore_eos": self.ignore_eos,
-                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias or {},
-                "logprobs": logprobs}
+    def _params(self, max_tokens: int | None, logprobs: int | None, defaults: SamplingDefaults) -> SamplingParams:
+        """The request's SamplingParams, the checkpoint's `defaults` where it leaves a value out (SamplingError
+        for a value out of range)."""
+        pick = lambda value, default: default if value is None else value   # noqa: E731
+        return SamplingParams(
+            max_tokens=max_tokens or defaults.max_tokens, temperature=pick(self.temperature, defaults.temperature),
+            top_k=pick(self.top_k, defaults.top_k), top_p=pick(self.top_p, defaults.top_p), seed=self.seed,
+            n=self.n, stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}), logprobs=logprobs)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -134,9 +140,9 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
-    def params(self) -> dict:
-        return self.sampling(self.max_completion_tokens or self.max_tokens,
-                             (self.top_logprobs or 0) if self.logprobs else None)
+    def to_params(self, defaults: SamplingDefaults) -> SamplingParams:
+        return self._params(self.max_completion_tokens or self.max_tokens,
+                            (self.top_logprobs or 0) if self.logprobs else None, defaults)
 
 
 class TextCompletionRequest(SamplingFields):
@@ -163,8 +169,17 @@ class TextCompletionRequest(SamplingFields):
         p = self.prompt
         return [p] if isinstance(p, str) or all(isinstance(x, int) for x in p) else list(p)
 
-    def params(self) -> dict:
-        return self.sampling(self.max_tokens, self.logprobs)
+    def to_params(self, defaults: SamplingDefaults) -> SamplingParams:
+        return self._params(self.max_tokens, self.logprobs, defaults)
+
+
+def _token_entry(t: TokenLogprob) -> dict:
+    return {"token": t.token, "bytes": list(t.bytes), "logprob": t.logprob}
+
+
+def logprob_entry(lp: Logprobs) -> dict:
+    """A sampled token's logprobs in OpenAI's chat shape."""
+    return _token_entry(lp.chosen) | {"top_logprobs": [_token_entry(t) for t in lp.top]}
 
 
 class Completion:
@@ -227,31 +242,31 @@ class Completion:
         self.logprobs[i].append(entry)
         self.unsent[i].append(entry)
 
-    def feed(self, ev: dict) -> list[dict]:
+    def feed(self, ev: TokenEvent) -> list[dict]:
         """One engine event -> the stream chunks it produces (possibly none). Text streams as `content`; a
         calculator call or its output is sent whole, as one `parts` delta, when it closes. A sampled token's
         logprob entry rides on the next chunk of its choice."""
-        i = ev["index"]
-        self.prompt_tokens[i // self.n] = ev["prompt_tokens"]
-        self.cached_tokens[i // self.n] = ev.get("cached_tokens", 0)
-        self.completion_tokens[i] = max(self.completion_tokens[i], ev["completion_tokens"])
-        if "logprob" in ev:
-            self._record_logprob(i, ev["logprob"])
+        i = ev.index
+        self.prompt_tokens[i // self.n] = ev.prompt_tokens
+        self.cached_tokens[i // self.n] = ev.cached_tokens
+        self.completion_tokens[i] = max(self.completion_tokens[i], ev.completion_tokens)
+        if ev.logprobs is not None:
+            self._record_logprob(i, logprob_entry(ev.logprobs))
         chunks = []
-        if ev["segment"] == "text":
-            if ev["text"]:
-                self.text[i] += ev["text"]
-                self._add_part(i, "text", ev["text"])
-                chunks.append(self._choice_chunk(i, content=ev["text"]))
+        if ev.segment == "text":
+            if ev.text:
+                self.text[i] += ev.text
+                self._add_part(i, "text", ev.text)
+                chunks.append(self._choice_chunk(i, content=ev.text))
         else:
-            self.segment_text[i] += ev["text"]
-            self.segment_kind[i] = ev["segment"]
-            if ev["closes"]:
+            self.segment_text[i] += ev.text
+            self.segment_kind[i] = ev.segment
+            if ev.closes:
                 chunks += self._end_segment(i)
-        if ev["finish_reason"]:
+        if ev.finish_reason:
             if self.segment_kind[i]:       # cut off inside a calculator call
                 chunks += self._end_segment(i)
-            self.finish[i] = "length" if ev["finish_reason"] == "length" else "stop"
+            self.finish[i] = "length" if ev.finish_reason == "length" else "stop"
             chunks.append(self._choice_chunk(i, finish=self.finish[i]))
         return chunks
 

@@ -36,20 +36,22 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from core.chat.protocol import GenerateRequest
+
 PROMPT_BLOCK_CHARS = 256
 
 
-def conversation_keys(payload: Any) -> list[int]:
+def conversation_keys(request: Any) -> list[int]:
     """The request's keys, shortest first: one per message prefix for chat, per prompt-text block for text."""
-    if not isinstance(payload, dict):
+    if not isinstance(request, GenerateRequest):
         return []
     keys, h = [], 0
-    if payload.get("messages"):
-        for m in payload["messages"]:
+    if request.messages:
+        for m in request.messages:
             h = hash((h, json.dumps(m, sort_keys=True, ensure_ascii=False)))
             keys.append(h)
-    elif payload.get("prompts"):
-        first = payload["prompts"][0]
+    elif request.prompts:
+        first = request.prompts[0]
         text = first if isinstance(first, str) else json.dumps(first)
         for i in range(0, len(text) - PROMPT_BLOCK_CHARS + 1, PROMPT_BLOCK_CHARS):
             h = hash((h, text[i:i + PROMPT_BLOCK_CHARS]))

@@ -6,7 +6,10 @@ import pytest
 
 from ray.exceptions import ActorUnavailableError
 
-from deployments.ingress import Admission, APIError
+from core.chat.protocol import GenerateRequest, SamplingParams, TokenEvent
+from deployments.admission import Admission
+from deployments.errors import APIError
+from deployments.resume import ChatStream, RetryPolicy
 
 
 def test_limits_waiting_refusal_and_hand_over():
@@ -95,38 +98,24 @@ class ScriptedStream:
         self.handle.cancelled += 1
 
 
-def ingress_with(handle, retry_timeout_s=5.0):
-    """The parts of an Ingress that a ChatStream uses: its handle, its retry loop and its counters."""
-    from deployments.ingress import Ingress
-
-    cls = Ingress.func_or_class
-
-    class Front:
-        _retrying = cls._retrying
-        _call = staticmethod(cls._call)
-        chat_stream, continued_total = handle, 0
-        streams_continued = type("NoMetric", (), {"inc": lambda self: None})()
-
-    front = Front()
-    front.retry_timeout_s = retry_timeout_s
-    return front
-
-
 def tok(t, finish=None):
-    return {"index": 0, "token": t, "text": str(t), "finish_reason": finish}
+    return TokenEvent("r", 0, t, str(t), finish_reason=finish)
+
+
+def request(**params):
+    return GenerateRequest(SamplingParams(**params), messages=())
 
 
 def test_a_lost_replica_is_continued_from_the_tokens_received():
-    from deployments.ingress import ChatStream
     handle = ScriptedHandle([
         [[tok(5), tok(6)], [tok(7)], Lost()],       # dies after three tokens
         [Lost()],                                   # the retry lands on the dead replica too
         [[tok(8)], [tok(9, "length")]],             # another replica finishes it
     ])
-    ingress = ingress_with(handle)
+    moved = []
 
     async def main():
-        stream = ChatStream(ingress, {"messages": [], "params": {"seed": 1}}, resumable=True)
+        stream = ChatStream(handle, request(seed=1), RetryPolicy(5.0), True, on_continue=lambda: moved.append(1))
         batches = [await stream.start()]
         while True:
             try:
@@ -135,17 +124,15 @@ def test_a_lost_replica_is_continued_from_the_tokens_received():
                 return stream, batches
 
     stream, batches = asyncio.run(main())
-    assert [ev["token"] for b in batches for ev in b] == [5, 6, 7, 8, 9]
-    assert "resume" not in handle.payloads[0]
-    assert handle.payloads[1]["resume"] == handle.payloads[2]["resume"] == [5, 6, 7]
-    assert handle.payloads[2]["params"] == {"seed": 1} and stream.continued == 1 and ingress.continued_total == 1
+    assert [ev.token for b in batches for ev in b] == [5, 6, 7, 8, 9]
+    assert handle.payloads[0].resume == ()
+    assert handle.payloads[1].resume == handle.payloads[2].resume == (5, 6, 7)
+    assert handle.payloads[2].params == SamplingParams(seed=1) and stream.continued == 1 and moved == [1]
 
 
 def test_a_stream_that_cannot_be_continued_raises():
-    from deployments.ingress import ChatStream
-
     async def run(resumable, scripts, timeout=5.0):
-        stream = ChatStream(ingress_with(ScriptedHandle(scripts), timeout), {"messages": []}, resumable)
+        stream = ChatStream(ScriptedHandle(scripts), request(), RetryPolicy(timeout), resumable)
         await stream.start()
         return await stream.__anext__()
 

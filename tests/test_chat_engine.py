@@ -4,7 +4,7 @@ import asyncio
 import pytest
 import torch
 
-from core.chat import Engine, EngineError, EngineFull, LLMEngine, SamplingParams
+from core.chat import EngineError, EngineFull, LLMEngine, SamplingParams
 from core.chat.async_engine import AsyncEngine
 from tests.conftest import tiny_model
 
@@ -149,16 +149,6 @@ def test_generation_runs_to_sequence_len(nanochat_model, tokenizer):
             ids.append(tok)
 
 
-def test_offline_engine_api(nanochat_model, tokenizer):
-    p = prompts(1, seed=4)[0]
-    engine = Engine(nanochat_model, tokenizer)
-    columns = list(engine.generate(p, num_samples=3, max_tokens=8, temperature=0.0))
-    assert len(columns) == 8 and all(len(c) == 3 and len(m) == 3 for c, m in columns)
-    assert all(c[0] == c[1] == c[2] for c, _ in columns)   # greedy samples agree
-    results, masks = engine.generate_batch(p, num_samples=2, max_tokens=8, temperature=0.0)
-    assert results[0][:len(p)] == p and len(results[0]) == len(masks[0])
-
-
 def test_async_engine_streams_and_aborts(nanochat_model, tokenizer):
     engine = LLMEngine(nanochat_model, tokenizer, max_rows=1)
     aengine = AsyncEngine(engine)
@@ -183,7 +173,7 @@ def test_async_engine_streams_and_aborts(nanochat_model, tokenizer):
     assert got >= 3
     assert events[-1].finish_reason in ("length", "stop")
     assert [ev.token for ev in events if ev.token is not None] == \
-        Engine(nanochat_model, tokenizer).generate_batch([4, 5], max_tokens=4, temperature=0.0)[0][0][2:]
+        run_alone(nanochat_model, tokenizer, [4, 5], SamplingParams(max_tokens=4, temperature=0.0))[0]
 
 
 class ScriptedModel(torch.nn.Module):

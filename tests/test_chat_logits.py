@@ -139,7 +139,7 @@ def test_extreme_values_in_range_keep_every_number_finite(nanochat_model, tokeni
     the penalty's tokens stay finite, and a temperature below GREEDY_BELOW samples exactly the greedy tokens."""
     import math
 
-    from core.chat.sampler import MIN_REPETITION_PENALTY
+    from core.chat.protocol import MIN_REPETITION_PENALTY
 
     def run(**kw):
         engine = LLMEngine(nanochat_model, tokenizer, max_rows=1)

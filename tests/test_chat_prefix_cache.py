@@ -158,8 +158,8 @@ def test_a_taken_over_rows_stale_tail_never_reaches_attention(nanochat_model, to
     base = [rng.randrange(500) for _ in range(60)]
     params = SamplingParams(max_tokens=8, temperature=0.0)
     run(on, [("a", base, params)])
-    row = next(iter(on.pool.tokens))
-    held = len(on.pool.tokens[row])
+    row = next(iter(on.scheduler.pool.tokens))
+    held = len(on.scheduler.pool.tokens[row])
     assert held == 60 + 8 - 1                          # prompt + generated, less the last (never fed)
     on.cache.k[:, row, :, 40:] = float("nan")          # poison everything past what the next prompt reuses
     on.cache.v[:, row, :, 40:] = float("nan")
@@ -177,7 +177,7 @@ def test_few_shot_prefix_is_a_pinned_entry(nanochat_model, tokenizer):
     for i in range(4):                                  # more requests than rows: the pinned row is never evicted
         prompt = prefix + [100 + i, 7]
         assert run(on, [(f"p{i}", prompt, params)]) == run(bare, [(f"p{i}", prompt, params)])
-    assert on.prefix_row in on.pool.pinned and on.pool.tokens[on.prefix_row] == prefix
+    assert on.prefix_row in on.scheduler.pool.pinned and on.scheduler.pool.tokens[on.prefix_row] == prefix
     events = []
     on.add_request(prefix + [5, 5], params, "cached")
     while on.has_work():

@@ -31,7 +31,7 @@ def test_config_is_consistent(name):
         if auto:
             assert auto["min_replicas"] <= auto["max_replicas"]
             assert auto["target_ongoing_requests"] <= d["max_ongoing_requests"]
-    rows = app["args"].get("chat_max_rows", AppArgs().chat_max_rows)
+    rows = AppArgs.model_validate(app["args"]).chat.engine.max_rows
     assert deps["ChatModel"]["max_ongoing_requests"] >= rows
     # Serve's autoscaler counts the requests that reach the chat deployment: an Ingress limit below what
     # max_replicas replicas are meant to hold would hide the load that should add them (docs/deployment.md)

@@ -146,7 +146,7 @@ def test_prefix_cache_stays_within_its_bound_and_evicts_lru(ckpt, full):
     probe = StartLuxDecision(ckpt, device="cpu")
     probe.decide(text(rng, 200), questions(rng, 1))
     one = probe.prefix_cache.bytes                      # the size of one ~200-token prefix state
-    s = StartLuxDecision(ckpt, device="cpu", prefix_cache_bytes=int(3.5 * one))
+    s = StartLuxDecision(ckpt, device="cpu", prefix_cache_mb=3.5 * one / 2 ** 20)
     states = [text(rng, 200) for _ in range(8)]
     qs = questions(rng, 2)
     for st in states:

@@ -1,5 +1,6 @@
 """The engine in a child process (ProcessEngine) against the same engine on a thread (AsyncEngine)."""
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -12,7 +13,9 @@ import pytest
 
 from core.chat import EngineError, EngineFull, LLMEngine, SamplingParams, load_chat_model, save_chat_model
 from core.chat.async_engine import AsyncEngine
-from core.chat.engine_process import EngineDied, EngineSpec, ProcessEngine, start_engine
+from core.chat.engine_process import ProcessEngine, start_engine
+from core.chat.protocol import (EngineConfig, EngineDied, GenerateRequest, SamplingParams as Params, Start, StreamError,
+                                TokenEvent)
 from tests.conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +30,7 @@ def checkpoint(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    pe = ProcessEngine(EngineSpec(checkpoint, "cpu", max_rows=4, torch_threads=1))
+    pe = ProcessEngine(Start(checkpoint, "cpu", EngineConfig(max_rows=4, torch_threads=1)))
     yield pe
     pe.shutdown()
     assert pe.proc.returncode is not None
@@ -89,7 +92,7 @@ def test_refusals_are_raised_from_generate(engine, checkpoint):
     with pytest.raises(EngineError, match="exceeds"):
         run(first([3], SamplingParams(n=5)))
     # a full waiting queue: one row, one waiting slot, three requests
-    small = ProcessEngine(EngineSpec(checkpoint, "cpu", max_rows=1, max_waiting=1))
+    small = ProcessEngine(Start(checkpoint, "cpu", EngineConfig(max_rows=1, max_waiting=1)))
 
     async def crowd():
         hold = small.generate([1, 2], SamplingParams(max_tokens=400, ignore_eos=True))
@@ -131,7 +134,7 @@ def test_leaving_a_stream_frees_its_rows(engine):
 
 
 def test_a_dead_engine_ends_open_streams(checkpoint):
-    pe = ProcessEngine(EngineSpec(checkpoint, "cpu", max_rows=2))
+    pe = ProcessEngine(Start(checkpoint, "cpu", EngineConfig(max_rows=2)))
 
     async def main():
         agen = pe.generate([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
@@ -155,8 +158,9 @@ def test_child_exits_when_its_parent_dies(checkpoint, tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from core.chat.engine_process import EngineSpec, ProcessEngine
-        pe = ProcessEngine(EngineSpec({checkpoint!r}, "cpu", max_rows=1))
+        from core.chat.engine_process import ProcessEngine
+        from core.chat.protocol import EngineConfig, Start
+        pe = ProcessEngine(Start({checkpoint!r}, "cpu", EngineConfig(max_rows=1)))
         print(pe.pid, flush=True)
         time.sleep(600)
     """)
@@ -191,17 +195,20 @@ def test_chat_deployment_same_events_with_either_front(checkpoint):
     """The chat deployment class (outside Serve) streams the same events whether its engine runs in a child
     process or on a thread, and turns a refused request into an error event either way."""
     from deployments.chat import ChatModel
+    from deployments.settings import ChatSettings
 
-    request = {"messages": [{"role": "user", "content": "hello how are you"}],
-               "params": {"max_tokens": 10, "temperature": 1.0, "seed": 11, "n": 2}}
-    too_many = {"messages": request["messages"], "params": {"n": 9}}
+    messages = ({"role": "user", "content": "hello how are you"},)
+    request = GenerateRequest(Params(max_tokens=10, temperature=1.0, seed=11, n=2), messages=messages)
+    too_many = GenerateRequest(Params(n=9), messages=messages)
 
-    async def events(model, req):
-        return [ev async for batch in model.generate(req) for ev in batch]
+    async def events(model, req):       # request ids are the engine client's own: compared without them
+        return [dataclasses.replace(ev, request_id="") if isinstance(ev, TokenEvent) else ev
+                async for batch in model.generate(req) for ev in batch]
 
     got = {}
     for engine_process in (True, False):
-        model = ChatModel.func_or_class(checkpoint, "cpu", max_rows=4, engine_process=engine_process)
+        model = ChatModel.func_or_class(ChatSettings(checkpoint=checkpoint, device="cpu", max_rows=4,
+                                                     process=engine_process))
         try:
             assert type(model.engine).__name__ == ("ProcessEngine" if engine_process else "AsyncEngine")
             got[engine_process] = (run(events(model, request)), run(events(model, too_many)))
@@ -209,9 +216,10 @@ def test_chat_deployment_same_events_with_either_front(checkpoint):
             model.engine.shutdown()
     assert got[True] == got[False]
     streamed, refused = got[True]
-    assert sum(1 for ev in streamed if ev["token"] is not None) == 20
-    assert [ev["finish_reason"] for ev in streamed if ev["finish_reason"]] == ["length", "length"]
-    assert refused[0]["error"]["type"] == "invalid_request_error" and "n=9" in refused[0]["error"]["message"]
+    assert sum(1 for ev in streamed if ev.token is not None) == 20
+    assert [ev.finish_reason for ev in streamed if ev.finish_reason] == ["length", "length"]
+    assert isinstance(refused[0], StreamError)
+    assert refused[0].type == "invalid_request_error" and "n=9" in refused[0].message
 
 
 def test_stream_interval_groups_tokens_after_the_first(checkpoint):
@@ -219,35 +227,39 @@ def test_stream_interval_groups_tokens_after_the_first(checkpoint):
     once a message has shown text, each later one carries at least 4 tokens or ends a sample. (How the events
     before the first text are split depends on timing: the engine front hands over every step ready.)"""
     from deployments.chat import ChatModel
+    from deployments.settings import ChatSettings
 
-    request = {"messages": [{"role": "user", "content": "hello how are you"}],
-               "params": {"max_tokens": 11, "temperature": 1.0, "seed": 5, "n": 2}}
+    request = GenerateRequest(Params(max_tokens=11, temperature=1.0, seed=5, n=2),
+                              messages=({"role": "user", "content": "hello how are you"},))
 
     async def messages(model):
         return [batch async for batch in model.generate(request)]
 
     got = {}
     for interval in (1, 4):
-        model = ChatModel.func_or_class(checkpoint, "cpu", max_rows=4, stream_interval=interval)
+        model = ChatModel.func_or_class(ChatSettings(checkpoint=checkpoint, device="cpu", max_rows=4,
+                                                     stream_interval=interval))
         try:
             got[interval] = run(messages(model))
         finally:
             model.engine.shutdown()
-    assert [ev for m in got[4] for ev in m] == [ev for m in got[1] for ev in m]
-    tokens = [sum(ev["token"] is not None for ev in m) for m in got[4]]
+    flat = lambda messages: [dataclasses.replace(ev, request_id="") for m in messages for ev in m]   # noqa: E731
+    assert flat(got[4]) == flat(got[1])
+    tokens = [sum(ev.token is not None for ev in m) for m in got[4]]
     assert sum(tokens) == 22
-    shown = next(i for i, m in enumerate(got[4]) if any(ev["text"] and ev["segment"] == "text" for ev in m))
-    assert all(t >= 4 or m[-1]["finish_reason"] for t, m in zip(tokens[shown + 1:], got[4][shown + 1:])), tokens
+    shown = next(i for i, m in enumerate(got[4]) if any(ev.text and ev.segment == "text" for ev in m))
+    assert all(t >= 4 or m[-1].finish_reason for t, m in zip(tokens[shown + 1:], got[4][shown + 1:])), tokens
     with pytest.raises(ValueError, match="stream_interval"):
-        ChatModel.func_or_class(checkpoint, "cpu", stream_interval=0)
+        ChatSettings(checkpoint=checkpoint, device="cpu", stream_interval=0)
 
 
 def test_stream_interval_partition(checkpoint):
     """The grouping itself, with a scripted engine (one step per batch): steps without visible text go at once,
     the step with the first text too; then groups of 3 tokens, a calculator part closing inside a group does
     not flush it, and the end goes at once with whatever is held; so does an engine that dies."""
-    from core.chat.engine import TokenEvent
+    from core.chat.protocol import TokenEvent
     from deployments.chat import ChatModel
+    from deployments.settings import ChatSettings
 
     def ev(token, text="", segment="text", closes=False, finish=None):
         return TokenEvent("r", 0, token, text, segment, False, closes, finish, 5, 0)
@@ -268,13 +280,12 @@ def test_stream_interval_partition(checkpoint):
         def shutdown(self):
             pass
 
-    model = ChatModel.func_or_class(checkpoint, "cpu", max_rows=4, stream_interval=3)
-    model.engine.shutdown()
-    model.engine = Scripted()
+    settings = ChatSettings(checkpoint=checkpoint, device="cpu", max_rows=4, stream_interval=3)
+    model = ChatModel.func_or_class(settings, start_engine=lambda start, on_stats=None: Scripted())
 
     async def messages():
-        return [[e.get("token", "error") for e in batch] async for batch in model.generate({"messages": [
-            {"role": "user", "content": "hi"}]})]
+        return [[getattr(e, "token", "error") for e in batch] async for batch in model.generate(GenerateRequest(
+            Params(), messages=({"role": "user", "content": "hi"},)))]
 
     assert run(messages()) == [[1], [2], [3], [4, 5, 6], [7, 8, 9], [10, None]]
     # the engine dies with tokens held: they go out before the error
@@ -288,24 +299,24 @@ def test_idle_cpu_policy(checkpoint):
     it, the engine says so and serves anyway), and the streams are the same as on a thread of this process. A
     policy needs the child process; an unknown one is refused."""
     reference = thread_reference(checkpoint, "cpu", one_by_one)
-    pe = ProcessEngine(EngineSpec(checkpoint, "cpu", max_rows=4, torch_threads=1, cpu_policy="idle"))
+    pe = ProcessEngine(Start(checkpoint, "cpu", EngineConfig(max_rows=4, torch_threads=1, cpu_policy="idle")))
     try:
         assert run(one_by_one(pe)) == reference
         probe = subprocess.run([sys.executable, "-c", "import os; os.sched_setscheduler(0, os.SCHED_IDLE, "
                                 "os.sched_param(0))"], capture_output=True)
         if probe.returncode == 0:
-            assert pe.info["cpu_policy"] == "idle"
+            assert pe.info.cpu_policy == "idle"
             threads = os.listdir(f"/proc/{pe.pid}/task")
             assert threads and all(os.sched_getscheduler(int(t)) == os.SCHED_IDLE for t in threads)
         else:                                                   # a sandbox that forbids it: the engine serves anyway
-            assert pe.info["cpu_policy"].startswith("normal (idle refused")
+            assert pe.info.cpu_policy.startswith("normal (idle refused")
     finally:
         pe.shutdown()
     assert os.sched_getscheduler(0) != os.SCHED_IDLE           # this process is untouched
     with pytest.raises(ValueError, match="own process"):
-        start_engine(EngineSpec(checkpoint, "cpu", cpu_policy="idle"), in_child_process=False)
+        EngineConfig(cpu_policy="idle", process=False)
     with pytest.raises(ValueError, match="cpu_policy"):
-        EngineSpec(checkpoint, "cpu", cpu_policy="realtime")
+        EngineConfig(cpu_policy="realtime")
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
@@ -330,9 +341,9 @@ def test_cuda_process_engine_matches_thread_engine(checkpoint):
         pytest.skip("needs CUDA")
 
     reference = thread_reference(checkpoint, "cuda", one_by_one)
-    pe = ProcessEngine(EngineSpec(checkpoint, "cuda", max_rows=4))
+    pe = ProcessEngine(Start(checkpoint, "cuda", EngineConfig(max_rows=4)))
     try:
-        assert pe.info["device"].startswith("cuda")
+        assert pe.info.device.startswith("cuda")
         assert run(one_by_one(pe)) == reference
         together = run(all_at_once(pe))
         assert [sorted(r) for r in together] == [sorted(r) for r in reference]

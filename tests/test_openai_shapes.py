@@ -2,17 +2,18 @@
 from core.chat import ChatPrompter
 import pytest
 
+from core.chat.protocol import Logprobs, TokenEvent, TokenLogprob
 from deployments.openai_api import ChatCompletionRequest, Completion, TextCompletion, TextCompletionRequest, unsupported
 
 
 def ev(text, segment="text", token=1, finish=None, closes=False, forced=False, completion=1, index=0, lp=None,
        prompt=10, cached=0):
-    out = {"index": index, "text": text, "segment": segment, "token": token, "forced": forced, "closes": closes,
-           "finish_reason": finish, "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached}
+    entry = None
     if lp is not None:
-        out["logprob"] = {"token": text, "bytes": list(text.encode()), "logprob": lp,
-                          "top_logprobs": [{"token": text, "bytes": list(text.encode()), "logprob": lp}]}
-    return out
+        shown = TokenLogprob(text, tuple(text.encode()), lp)
+        entry = Logprobs(shown, (shown,))
+    return TokenEvent("r", index, token, text, segment, forced, closes, finish, prompt, completion, cached,
+                      logprobs=entry)
 
 
 def test_calculator_parts_stream_and_complete():

@@ -9,7 +9,12 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve._private.request_router.common import PendingRequest
 
+from core.chat.protocol import GenerateRequest, SamplingParams
 from deployments.routing import ConversationAffinityRouter
+
+
+def chat_request(messages):
+    return GenerateRequest(SamplingParams(), messages=tuple(messages))
 
 DEPLOYMENT = DeploymentID(name="ChatModel", app_name="test")
 _ids = itertools.count()
@@ -43,7 +48,7 @@ def make_router(*replicas: FakeReplica) -> ConversationAffinityRouter:
 async def route(router: ConversationAffinityRouter, messages: list[dict]) -> str:
     """Route one chat request as Serve does, then report it accepted; -> the replica's name."""
     rid = str(next(_ids))
-    pending = PendingRequest(args=[{"messages": messages}], kwargs={},
+    pending = PendingRequest(args=[chat_request(messages)], kwargs={},
                              metadata=RequestMetadata(request_id=rid, internal_request_id=rid))
     replica = await router._choose_replica_for_request(pending)
     router.on_request_routed(pending, replica.replica_id, None)
@@ -106,7 +111,7 @@ def test_a_request_that_finds_every_replica_full_backs_off():
         a, b = FakeReplica("a", queue_len=4), FakeReplica("b", queue_len=4)
         router = make_router(a, b)
         history = [{"role": "user", "content": "hello"}]
-        router.on_request_routed(PendingRequest(args=[{"messages": history}], kwargs={},
+        router.on_request_routed(PendingRequest(args=[chat_request(history)], kwargs={},
                                                 metadata=RequestMetadata(request_id="x", internal_request_id="x")),
                                  a.replica_id, None)           # a holds the conversation
         task = asyncio.ensure_future(route(router, turn(history, 0)))

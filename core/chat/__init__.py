@@ -1,14 +1,26 @@
-"""The chat side of core: nanochat-style models, tokenizer, prompter, sampler, calculator and engine."""
-from .checkpoint import load_chat_defaults, load_chat_model, load_chat_tokenizer, save_chat_model
-from .config import ChatDefaults, ChatModelConfig, CheckpointError
-from .engine import Engine, EngineError, EngineFull, LLMEngine, TokenEvent
-from .model import build_model
-from .prompter import ChatPrompter, PromptError, PromptTooLong
-from .sampler import SamplingError, SamplingParams
-from .tokenizer import SPECIAL_TOKENS, ChatTokenizer
+"""The chat side of core: nanochat-style models, tokenizer, prompter, sampler, calculator and engine.
 
-__all__ = [
-    "ChatDefaults", "ChatModelConfig", "ChatPrompter", "ChatTokenizer", "CheckpointError", "Engine", "EngineError",
-    "EngineFull", "LLMEngine", "PromptError", "PromptTooLong", "SPECIAL_TOKENS", "SamplingError", "SamplingParams",
-    "TokenEvent", "build_model", "load_chat_defaults", "load_chat_model", "load_chat_tokenizer", "save_chat_model",
-]
+Names are loaded on first use, so that importing one torch-free module (`core.chat.protocol`, the prompter)
+does not import torch: the Ingress process imports the protocol and never runs a model.
+"""
+import importlib
+
+_WHERE = {
+    "load_chat_defaults": "checkpoint", "load_chat_model": "checkpoint", "load_chat_tokenizer": "checkpoint",
+    "save_chat_model": "checkpoint",
+    "ChatDefaults": "config", "ChatModelConfig": "config", "CheckpointError": "config",
+    "LLMEngine": "engine",
+    "build_model": "model", "ChatNetwork": "model",
+    "ChatPrompter": "prompter", "PromptError": "prompter", "PromptTooLong": "prompter",
+    "EngineConfig": "protocol", "EngineDied": "protocol", "EngineError": "protocol", "EngineFull": "protocol",
+    "GenerateRequest": "protocol", "SamplingError": "protocol", "SamplingParams": "protocol",
+    "StreamError": "protocol", "TokenEvent": "protocol",
+    "SPECIAL_TOKENS": "tokenizer", "ChatTokenizer": "tokenizer",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'core.chat' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

@@ -1,6 +1,6 @@
-"""Asyncio fronts for `LLMEngine`: callers on an event loop stream the events of their requests.
+"""Engine clients: callers on an asyncio event loop stream the events of their requests from an `LLMEngine`.
 
-Two fronts with one interface (`generate`, `stats`, `alive`, `shutdown`):
+Two clients with one interface (`generate`, `stats`, `alive`, `shutdown`):
 - `AsyncEngine` steps the engine on a worker thread of this process.
 - `ProcessEngine` (engine_process.py) steps it in a child process, so the model's Python never competes with
   the event loop for this process's GIL (what a serving replica uses).
@@ -15,14 +15,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
 from typing import AsyncIterator
 
-from .engine import EngineError, EngineStats, LLMEngine, TokenEvent
-from .sampler import SamplingParams
+from .engine import LLMEngine
+from .protocol import EngineError, EngineStats, SamplingParams, TokenEvent
 
 logger = logging.getLogger(__name__)
+
+STATS_PERIOD_S = 0.5   # how often a busy engine reports its EngineStats (on_stats)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
@@ -30,11 +33,15 @@ def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
         queue.put_nowait(item)
 
 
-class EventRouter(ABC):
-    """Per-request queues on the callers' event loops, fed from another thread. Subclasses say how a request
-    reaches the engine (`_submit`) and how it is stopped (`_cancel`)."""
+class EngineClient(ABC):
+    """An engine's client: per-request queues on the callers' event loops, fed from another thread. Subclasses
+    say how a request reaches the engine (`_submit`) and how it is stopped (`_cancel`). `on_stats(stats)`, when
+    given, is called with each fresh EngineStats (on the thread that has them)."""
 
-    def __init__(self) -> None:
+    max_rows: int
+
+    def __init__(self, on_stats=None) -> None:
+        self.on_stats = on_stats
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
 
     @abstractmethod
@@ -65,6 +72,18 @@ class EventRouter(ABC):
                 loop.call_soon_threadsafe(_put_all, pairs)
             except RuntimeError:   # that loop has closed: its callers are gone
                 pass
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        """The engine's latest counters."""
+
+    @abstractmethod
+    def alive(self) -> bool:
+        """Whether the engine still steps."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the engine."""
 
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                        resume: list[int] | None = None) -> AsyncIterator[list[TokenEvent]]:
@@ -100,22 +119,26 @@ class EventRouter(ABC):
                 self._cancel(rid)
 
 
-class AsyncEngine(EventRouter):
-    """The engine on a worker thread of this process (tests, benchmarks, notebooks)."""
+class AsyncEngine(EngineClient):
+    """The engine on a worker thread of this process (tests, benchmarks, notebooks). `on_stats` is called on
+    that thread after each step."""
 
-    def __init__(self, engine: LLMEngine, on_step=None):
-        super().__init__()
+    def __init__(self, engine: LLMEngine, on_stats=None):
+        super().__init__(on_stats)
         self.engine = engine
         self.max_rows = engine.max_rows
-        self.on_step = on_step               # called on the engine thread after each step: on_step(stats getter)
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="chat-engine", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        stats_at = 0.0
         while not self._stopping:
             if not self.engine.has_work():
+                if stats_at:                    # the last word after a busy spell: idle stats
+                    self._report()
+                    stats_at = 0.0
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -125,8 +148,14 @@ class AsyncEngine(EventRouter):
                 logger.exception("engine step failed; ending every request")
                 events = self.engine.fail_all("error")
             self._deliver(events)
-            if self.on_step is not None:
-                self.on_step(self.engine.stats)
+            now = time.monotonic()
+            if now - stats_at >= STATS_PERIOD_S:
+                self._report()
+                stats_at = now
+
+    def _report(self) -> None:
+        if self.on_stats is not None:
+            self.on_stats(self.engine.stats())
 
     def _submit(self, prompt: list[int], params: SamplingParams, rid: str, resume: list[int] | None) -> None:
         self.engine.add_request(prompt, params, rid, resume)

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import ChatDefaults, ChatModelConfig, CheckpointError, read_json, write_json
-from .model import ChatModel, build_model
+from .model import ChatNetwork, build_model
 from .tokenizer import ChatTokenizer
 
 
@@ -22,14 +22,14 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _stored_state(model: ChatModel) -> dict[str, torch.Tensor]:
+def _stored_state(model: ChatNetwork) -> dict[str, torch.Tensor]:
     state = model.state_dict()
     if model.config.arch == "gpt2":
         state.pop("lm_head.weight")
     return {k: v.detach().contiguous().cpu() for k, v in state.items()}
 
 
-def save_chat_model(path: str, model: ChatModel, tokenizer: ChatTokenizer, defaults: ChatDefaults | None = None,
+def save_chat_model(path: str, model: ChatNetwork, tokenizer: ChatTokenizer, defaults: ChatDefaults | None = None,
                     dtype: torch.dtype | None = None) -> None:
     os.makedirs(path, exist_ok=True)
     state = _stored_state(model)
@@ -64,7 +64,7 @@ def load_chat_tokenizer(path: str) -> tuple[ChatTokenizer, ChatModelConfig]:
 
 
 def load_chat_model(path: str, device: str | torch.device | None = None,
-                    dtype: torch.dtype | None = None) -> tuple[ChatModel, ChatTokenizer, ChatModelConfig]:
+                    dtype: torch.dtype | None = None) -> tuple[ChatNetwork, ChatTokenizer, ChatModelConfig]:
     """Load a checkpoint directory. Weights run in bf16 on CUDA and fp32 on CPU unless `dtype` says otherwise."""
     tokenizer, config = load_chat_tokenizer(path)
     device = torch.device(device) if device is not None else default_device()

@@ -7,14 +7,14 @@ chat replica the service's bottleneck (bench/README.md). `ProcessEngine`
 runs `LLMEngine` in a child process of its own, as vLLM's engine core does, and talks to it over a private
 socket pair:
 
-    parent -> child   ("start", EngineSpec) once, then ("add", rid, prompt, params, resume) | ("abort", rid) | ("stop",)
-    child -> parent   ("ready", info) | ("failed", message) once, then ("events", [TokenEvent]) |
-                      ("rejected", rid, exception) | ("stats", EngineStats)
+    parent -> child   Start once, then Add | Abort | Stop
+    child -> parent   Ready | Failed once, then Events | Rejected | Stats
 
-One "events" message carries every event of a step (the first tokens of new prompts go in an earlier message,
-before the step's decode pass). The child validates requests (a refusal comes back as "rejected" and is raised
-from the caller's `generate`), sends its stats while it has work, and exits when the parent says "stop" or
-when the socket closes: if the parent dies, so does the engine. The parent stops the child by its pid.
+(the records of protocol.py; each side matches on their types). One Events message carries every event of a
+step (the first tokens of new prompts go in an earlier one, before the step's decode pass). The child validates
+requests (a refusal comes back as Rejected and is raised from the caller's `generate`), sends its stats while
+it has work, and exits on Stop or when the socket closes: if the parent dies, so does the engine. The parent
+stops the child by its pid.
 """
 from __future__ import annotations
 
@@ -26,51 +26,28 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from .async_engine import AsyncEngine, EventRouter
-from .engine import EngineError, EngineFull, EngineStats, LLMEngine, TokenEvent
-from .sampler import SamplingParams
+from .async_engine import STATS_PERIOD_S, AsyncEngine, EngineClient
+from .protocol import (Abort, Add, EngineDied, EngineError, EngineFull, EngineStats, Events, Failed,
+                       Ready, Rejected, SamplingError, SamplingParams, Start, Stats, Stop)
 
 logger = logging.getLogger(__name__)
 
-STATS_PERIOD_S = 0.5
-CPU_POLICIES = {"normal", "idle"}              # for the engine process: see set_cpu_policy
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # holds the `core` package
 
 
-@dataclass
-class EngineSpec:
-    """What the child needs to build its engine; the weights are read there, never in the parent."""
+def build_engine(start: Start):
+    """The engine `start` describes, built in the calling process (torch threads set, weights loaded)."""
+    import torch
 
-    checkpoint: str
-    device: str | None = None
-    max_rows: int = 32
-    prefill_chunk: int = 512
-    max_waiting: int = 256
-    prefix_ids: list[int] = field(default_factory=list)
-    torch_threads: int | None = None
-    cuda_graphs: bool = True
-    cpu_policy: str = "normal"      # "idle": the child runs under SCHED_IDLE (see set_cpu_policy)
-    prefix_caching: bool = True     # reuse the keys and values finished requests leave in their rows
+    from .checkpoint import load_chat_model
+    from .engine import LLMEngine
 
-    def __post_init__(self):
-        if self.cpu_policy not in CPU_POLICIES:
-            raise ValueError(f"cpu_policy must be one of {sorted(CPU_POLICIES)}, not {self.cpu_policy!r}")
-
-    def build(self) -> LLMEngine:
-        """The engine this spec describes, built in the calling process (torch threads set, weights loaded)."""
-        import torch
-
-        from .checkpoint import load_chat_model
-
-        if self.torch_threads:
-            torch.set_num_threads(self.torch_threads)
-        model, tok, _ = load_chat_model(self.checkpoint, self.device)
-        return LLMEngine(model, tok, max_rows=self.max_rows, prefill_chunk=self.prefill_chunk,
-                         prefix_ids=self.prefix_ids or None, max_waiting=self.max_waiting,
-                         cuda_graphs=self.cuda_graphs, prefix_caching=self.prefix_caching)
+    if start.config.torch_threads:
+        torch.set_num_threads(start.config.torch_threads)
+    model, tok, _ = load_chat_model(start.checkpoint, start.device)
+    return LLMEngine(model, tok, start.config, prefix_ids=list(start.prefix_ids) or None)
 
 
 def set_cpu_policy(policy: str) -> str:
@@ -101,27 +78,20 @@ def set_cpu_policy(policy: str) -> str:
     return "idle"
 
 
-def start_engine(spec: EngineSpec, in_child_process: bool = True, on_step=None) -> EventRouter:
-    """The engine for `spec` behind an asyncio front: in a child process (ProcessEngine), or on a thread of
-    this process (AsyncEngine)."""
-    if in_child_process:
-        return ProcessEngine(spec, on_step=on_step)
-    if spec.cpu_policy != "normal":
-        raise ValueError("an engine CPU policy other than 'normal' needs the engine in its own process "
-                         "(engine_process=True): on a thread it would also slow the replica's event loop")
-    return AsyncEngine(spec.build(), on_step=on_step)
+def start_engine(start: Start, on_stats=None) -> EngineClient:
+    """The engine `start` describes, behind its client: in a child process (ProcessEngine) or, with
+    `config.process` off, on a thread of this process (AsyncEngine)."""
+    if start.config.process:
+        return ProcessEngine(start, on_stats=on_stats)
+    return AsyncEngine(build_engine(start), on_stats=on_stats)
 
 
-class EngineDied(RuntimeError):
-    """The engine process is gone."""
-
-
-class ProcessEngine(EventRouter):
-    def __init__(self, spec: EngineSpec, on_step=None, start_timeout_s: float = 600.0):
-        super().__init__()
-        self.spec, self.on_step = spec, on_step
-        self.max_rows = spec.max_rows
-        self._stats = EngineStats(0, 0, 0, spec.max_rows, 0, 0)
+class ProcessEngine(EngineClient):
+    def __init__(self, start: Start, on_stats=None, start_timeout_s: float = 600.0):
+        super().__init__(on_stats)
+        self.start = start
+        self.max_rows = start.config.max_rows
+        self._stats = EngineStats(0, 0, 0, start.config.max_rows, 0, 0)
         self._send_lock = threading.Lock()
         ours, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
@@ -131,7 +101,7 @@ class ProcessEngine(EventRouter):
         self._conn = Connection(ours.detach())
         self._closed = self._stopping = False
         try:
-            self._send(("start", spec))
+            self._send(start)
             self.info = self._wait_ready(start_timeout_s)
         except BaseException:
             self._kill()
@@ -143,7 +113,7 @@ class ProcessEngine(EventRouter):
     def pid(self) -> int:
         return self.proc.pid
 
-    def _wait_ready(self, timeout_s: float) -> dict:
+    def _wait_ready(self, timeout_s: float) -> Ready:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._conn.poll(0.5):
@@ -151,9 +121,9 @@ class ProcessEngine(EventRouter):
                     msg = self._conn.recv()
                 except EOFError:
                     break
-                if msg[0] == "ready":
-                    return msg[1]
-                raise RuntimeError(f"the chat engine process failed to start:\n{msg[1]}")
+                if isinstance(msg, Ready):
+                    return msg
+                raise RuntimeError(f"the chat engine process failed to start:\n{msg.message}")
             if self.proc.poll() is not None:
                 break
         raise RuntimeError(f"the chat engine process did not start (exit code {self.proc.poll()})")
@@ -171,15 +141,15 @@ class ProcessEngine(EventRouter):
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 break
-            kind = msg[0]
-            if kind == "events":
-                self._deliver(msg[1])
-            elif kind == "rejected":
-                self._fail([msg[1]], msg[2])
-            elif kind == "stats":
-                self._stats = msg[1]
-                if self.on_step is not None:
-                    self.on_step(self.stats)
+            match msg:
+                case Events(events):
+                    self._deliver(events)
+                case Rejected(rid, error):
+                    self._fail([rid], error)
+                case Stats(stats):
+                    self._stats = stats
+                    if self.on_stats is not None:
+                        self.on_stats(stats)
         self._closed = True
         if not self._stopping:
             logger.error("lost the connection to the chat engine process %d", self.proc.pid)
@@ -188,11 +158,11 @@ class ProcessEngine(EventRouter):
             self._fail([rid], EngineDied("the chat engine process stopped"))
 
     def _submit(self, prompt: list[int], params: SamplingParams, rid: str, resume: list[int] | None) -> None:
-        self._send(("add", rid, list(prompt), params, resume))
+        self._send(Add(rid, list(prompt), params, tuple(resume or ())))
 
     def _cancel(self, rid: str) -> None:
         try:
-            self._send(("abort", rid))
+            self._send(Abort(rid))
         except (EngineDied, OSError):
             pass
 
@@ -206,7 +176,7 @@ class ProcessEngine(EventRouter):
         """Ask the child to stop, then make sure: it is killed by its pid if it has not exited in time."""
         self._stopping = True
         try:
-            self._send(("stop",))
+            self._send(Stop())
         except (EngineDied, OSError):
             pass
         try:
@@ -232,41 +202,40 @@ class ProcessEngine(EventRouter):
 
 # ---- the child side
 def serve_engine(conn: Connection) -> None:
-    """The child's main loop: build the engine from the spec, then take requests and step until told to stop."""
+    """The child's main loop: build the engine from Start, then take requests and step until told to stop."""
     import torch
 
-    kind, spec = conn.recv()
-    assert kind == "start", kind
+    start = conn.recv()
+    assert isinstance(start, Start), start
     try:
-        policy = set_cpu_policy(spec.cpu_policy)    # before the build, so torch's threads inherit it
-        engine = spec.build()
+        policy = set_cpu_policy(start.config.cpu_policy)   # before the build, so torch's threads inherit it
+        engine = build_engine(start)
     except Exception:
-        conn.send(("failed", traceback.format_exc()))
+        conn.send(Failed(traceback.format_exc()))
         return
-    conn.send(("ready", {"device": str(engine.device), "pid": os.getpid(), "torch_threads": torch.get_num_threads(),
-                         "cpu_policy": policy}))
+    conn.send(Ready(str(engine.device), os.getpid(), torch.get_num_threads(), policy))
 
-    def emit(events: list[TokenEvent]) -> None:
-        conn.send(("events", events))
+    def emit(events) -> None:
+        conn.send(Events(events))
 
     stats_at = 0.0
     while True:
         if not engine.has_work():
             if stats_at:                            # the last word after a busy spell: idle stats
-                conn.send(("stats", engine.stats()))
+                conn.send(Stats(engine.stats()))
                 stats_at = 0.0
             conn.poll(None)                         # sleep until the parent sends something (or goes away)
         while conn.poll(0):
-            msg = conn.recv()                       # EOFError when the parent is gone: the process ends
-            if msg[0] == "add":
-                try:
-                    engine.add_request(msg[2], msg[3], msg[1], msg[4])
-                except (EngineError, EngineFull) as e:
-                    conn.send(("rejected", msg[1], e))
-            elif msg[0] == "abort":
-                engine.abort(msg[1])
-            elif msg[0] == "stop":
-                return
+            match conn.recv():                      # EOFError when the parent is gone: the process ends
+                case Add(rid, prompt, params, resume):
+                    try:
+                        engine.add_request(prompt, params, rid, list(resume))
+                    except (EngineError, EngineFull, SamplingError) as e:
+                        conn.send(Rejected(rid, e))
+                case Abort(rid):
+                    engine.abort(rid)
+                case Stop():
+                    return
         if not engine.has_work():
             continue
         try:
@@ -278,7 +247,7 @@ def serve_engine(conn: Connection) -> None:
             emit(events)
         now = time.monotonic()
         if now - stats_at >= STATS_PERIOD_S:
-            conn.send(("stats", engine.stats()))
+            conn.send(Stats(engine.stats()))
             stats_at = now
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampler import SamplingParams
+from .protocol import SamplingParams
 
 
 @dataclass

@@ -32,7 +32,7 @@ CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTE
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: CacheBatch | None) -> torch.Tensor:
     """q (B, H, T, D), k/v (B, Hkv, T, D) -> (B, H, T, D); causal, through the cache when given. (On CUDA,
-    `ChatModel.forward` has chosen the attention backends for the whole pass.)"""
+    `ChatNetwork.forward` has chosen the attention backends for the whole pass.)"""
     gqa = q.size(1) != k.size(1)
     if cache is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -41,7 +41,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache:
                                           enable_gqa=gqa)
 
 
-class ChatModel(nn.Module):
+class ChatNetwork(nn.Module):
     """Shared calling convention of both architectures."""
 
     config: ChatModelConfig
@@ -119,7 +119,7 @@ class NanoChatBlock(nn.Module):
         return x + self.mlp(rms_norm(x, self.eps))
 
 
-class NanoChatGPT(ChatModel):
+class NanoChatGPT(ChatNetwork):
     def __init__(self, config: ChatModelConfig):
         super().__init__()
         self.config = config
@@ -180,7 +180,7 @@ class GPT2Block(nn.Module):
         return x + self.mlp["c_proj"](h)
 
 
-class GPT2(ChatModel):
+class GPT2(ChatNetwork):
     def __init__(self, config: ChatModelConfig):
         super().__init__()
         self.config = config
@@ -203,11 +203,11 @@ class GPT2(ChatModel):
         return self.lm_head(x).float()
 
 
-def build_model(config: ChatModelConfig) -> ChatModel:
+def build_model(config: ChatModelConfig) -> ChatNetwork:
     return NanoChatGPT(config) if config.arch == "nanochat" else GPT2(config)
 
 
-def init_weights(model: ChatModel, seed: int = 0, std: float = 0.02) -> ChatModel:
+def init_weights(model: ChatNetwork, seed: int = 0, std: float = 0.02) -> ChatNetwork:
     """Random weights for tests and fresh training runs (deterministic for a seed)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -1,9 +1,24 @@
-"""The decision side of core: the StartLux-Decision scorer and its prompt format."""
-from . import jevfmt
-from .jevfmt import MAX_OPTIONS, FormatError, PromptTooLong, check_tokenizer, from_systemone, render_ids
-from .kernels import fast_kernels_active, linear_attention_kernels
-from .scorer import DecisionValidationError, SlowKernelsError, StartLuxDecision, padded_length
+"""The decision side of core: the StartLux-Decision scorer and its prompt format.
 
-__all__ = ["DecisionValidationError", "FormatError", "MAX_OPTIONS", "PromptTooLong", "SlowKernelsError",
-           "StartLuxDecision", "check_tokenizer", "fast_kernels_active", "from_systemone", "jevfmt",
-           "linear_attention_kernels", "padded_length", "render_ids"]
+Names are loaded on first use, so that the torch-free modules (`types`, `config`, `jevfmt`) import without
+torch: the Ingress validates requests with `types` and never runs a model.
+"""
+import importlib
+
+_WHERE = {
+    "DecisionConfig": "config",
+    "FormatError": "jevfmt", "MAX_OPTIONS": "jevfmt", "QuestionTooLong": "jevfmt", "check_tokenizer": "jevfmt",
+    "from_systemone": "jevfmt", "render_ids": "jevfmt",
+    "linear_attention_kernels": "kernels",
+    "DecisionValidationError": "scorer", "SlowKernelsError": "scorer", "StartLuxDecision": "scorer",
+    "padded_length": "scorer",
+}
+__all__ = sorted(_WHERE) + ["jevfmt"]
+
+
+def __getattr__(name: str):
+    if name == "jevfmt":
+        return importlib.import_module(".jevfmt", __name__)
+    if name not in _WHERE:
+        raise AttributeError(f"module 'core.decision' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

@@ -33,7 +33,7 @@ answer letter, written as `letter` says (`" A"` by default). The prompt is token
 options are tokenized.
 
 Too long for `max_length`: tokens are cut from the *start* of the state (its end, usually the most recent
-part, is kept) and `[...]` marks the cut. When the question and options alone do not fit, `PromptTooLong`
+part, is kept) and `[...]` marks the cut. When the question and options alone do not fit, `QuestionTooLong`
 is raised.
 """
 from __future__ import annotations
@@ -65,8 +65,8 @@ class FormatError(ValueError):
     """A question or state that cannot be rendered."""
 
 
-class PromptTooLong(FormatError):
-    pass
+class QuestionTooLong(FormatError):
+    """The question block (question and options) does not fit max_length, even with the state cut away."""
 
 
 @dataclass
@@ -251,17 +251,17 @@ class StateBlock:
 
     def ids(self, room: int) -> tuple[list[int], int]:
         """The state block in at most `room` tokens, and how many state tokens were cut from its start (a
-        marker shows the cut). PromptTooLong when not even the marker fits."""
+        marker shows the cut). QuestionTooLong when not even the marker fits."""
         if not self.state:
             if room < 0:
-                raise PromptTooLong(f"the question and its options need {-room} tokens more than max_length")
+                raise QuestionTooLong(f"the question and its options need {-room} tokens more than max_length")
             return [], 0
         frame = len(self.head) + len(self.foot)
         if frame + len(self.state) <= room:
             return self.head + self.state + self.foot, 0
         keep = room - frame - len(self.marker)
         if keep < 0:
-            raise PromptTooLong(f"the question and its options need {frame + len(self.marker) - room} tokens more "
+            raise QuestionTooLong(f"the question and its options need {frame + len(self.marker) - room} tokens more "
                                 f"than max_length leaves them with the state cut away")
         kept = self.state[len(self.state) - keep:] if keep else []
         return self.head + self.marker + kept + self.foot, len(self.state) - keep
@@ -275,8 +275,8 @@ def render_ids(row: Row, tokenizer, order: list[str], max_length: int,
     block = StateBlock.of(row.state, tokenizer, template)
     try:
         prefix, cut = block.ids(max_length - len(tail))
-    except PromptTooLong:
-        raise PromptTooLong(f"the question and its options need {len(tail)} tokens (with the state cut away, "
+    except QuestionTooLong:
+        raise QuestionTooLong(f"the question and its options need {len(tail)} tokens (with the state cut away, "
                             f"more); max_length is {max_length}") from None
     return prefix + tail, RenderInfo(dict(zip(LETTERS, order)), len(block.state) - cut, cut)
 

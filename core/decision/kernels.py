@@ -69,7 +69,3 @@ def linear_attention_kernels(model) -> dict[str, str]:
                 found[name] = "torch"
     return found
 
-
-def fast_kernels_active(model) -> bool:
-    """True unless some linear-attention kernel of the model runs on the torch reference path."""
-    return all(v != "torch" for v in linear_attention_kernels(model).values())

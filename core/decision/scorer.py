@@ -16,6 +16,7 @@ One forward pass at a time (a lock): graphs share static buffers and callers may
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -25,15 +26,23 @@ from dataclasses import dataclass
 import torch
 
 from . import jevfmt as J
+from .config import DecisionConfig
 from .graphs import PromptGraphs
 from .kernels import linear_attention_kernels
 from .passes import PassCost, plan
 from .prefix_cache import PrefixCache, PrefixState, batch_cache
+from .types import ChoiceAnswer, InputTokensDetails, NoulAnswer, ScoreAnswer, Usage
 
 logger = logging.getLogger(__name__)
 
 PAD_LENGTHS = (128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096,
                5120, 6144, 7168, 8192, 10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768, 40960, 49152, 57344, 65536)
+
+
+def choice_answer(dist: dict[str, float]) -> dict:
+    """A choice question's answer from its distribution over option ids: the most probable one and its mass."""
+    best = max(dist, key=dist.get)
+    return ChoiceAnswer(choice=best, confidence=dist[best], probabilities=dist).model_dump()
 
 
 class DecisionValidationError(ValueError):
@@ -88,9 +97,10 @@ class _Prepared:
 class StartLuxDecision:
     """decide(state, questions) -> (answers, usage), answers in the System One /v1/systemone format."""
 
-    def __init__(self, path: str, device=None, max_length: int = 65536, max_batch_tokens: int = 65536,
-                 graphs: bool = True, dtype: torch.dtype | None = None, share_prefix: bool = True,
-                 prefix_cache_bytes: int = 256 << 20):
+    def __init__(self, path: str, config: DecisionConfig | None = None, device=None, dtype: torch.dtype | None = None,
+                 **settings):
+        """config: the scorer's settings (DecisionConfig); keyword `settings` override single fields of it
+        (`StartLuxDecision(path, max_length=120)`)."""
         import transformers
         from transformers import AutoConfig, AutoTokenizer
 
@@ -102,7 +112,8 @@ class StartLuxDecision:
             raise FileNotFoundError(f"{cfg_path}: missing")
         with open(cfg_path, encoding="utf-8") as f:
             cfg = json.load(f)
-        self.path = path
+        config = dataclasses.replace(config or DecisionConfig(), **settings)
+        self.config, self.path = config, path
         self.template = J.template_from(cfg)
         self.tok = AutoTokenizer.from_pretrained(path)
         self.letters = J.letter_token_ids(self.tok, self.template)
@@ -118,10 +129,10 @@ class StartLuxDecision:
             raise ValueError(f"{cfg_path}: wide_choice needs 2 <= group <= max_options <= 26 and 1 <= keep < group")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        config = AutoConfig.from_pretrained(path)
-        arch = (config.architectures or [None])[0]
+        model_config = AutoConfig.from_pretrained(path)
+        arch = (model_config.architectures or [None])[0]
         if not arch or not hasattr(transformers, arch):
-            raise ValueError(f"{path}/config.json: unknown architectures {config.architectures}")
+            raise ValueError(f"{path}/config.json: unknown architectures {model_config.architectures}")
         model_cls = getattr(transformers, arch)
         self.kernels = linear_attention_kernels(model_cls)
         slow = sorted(k for k, v in self.kernels.items() if v == "torch")
@@ -138,14 +149,14 @@ class StartLuxDecision:
         self.letter_rows = head.index_select(0, torch.tensor(self.letters)).float().to(self.device)
         del model, head
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (self.tok.eos_token_id or 0)
-        self.max_length, self.max_batch_tokens = int(max_length), int(max_batch_tokens)
+        self.max_length, self.max_batch_tokens = config.max_length, config.max_batch_tokens
         self._lock = threading.Lock()
-        self.share_prefix = share_prefix
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.share_prefix = config.share_prefix
+        self.prefix_cache = PrefixCache(config.prefix_cache_bytes)
         self.pass_cost = PassCost.of(self.body, self.device.type)
         self.kinds = list(getattr(self.body.config, "layer_types", []))
         self.graphs: PromptGraphs | None = None
-        if graphs and self.device.type == "cuda" and os.environ.get("STARTLUX_GRAPHS", "1") != "0":
+        if config.graphs and self.device.type == "cuda" and os.environ.get("STARTLUX_GRAPHS", "1") != "0":
             self.graphs = PromptGraphs(self._slot_logits, self.device, self.pad)
 
     # ---- model passes
@@ -290,8 +301,7 @@ class StartLuxDecision:
             try:
                 row = J.from_systemone(None, q, self.template, state_text)
                 if row.type == "choice" and len(row.options) == 1:
-                    only = row.options[0].id
-                    answers[key] = {"type": "choice", "choice": only, "confidence": 1.0, "probabilities": {only: 1.0}}
+                    answers[key] = choice_answer({row.options[0].id: 1.0})
                     continue
                 if row.type == "choice" and len(row.options) > self.max_options:
                     subs = [self._sub_row(state_text, q, g) for g in self._groups([o.id for o in row.options])]
@@ -300,7 +310,7 @@ class StartLuxDecision:
                     tails = [(row, self._tail(row))]
                 for _, tail in tails:        # every prompt must fit, with the state cut as far as it goes
                     if len(tail) + block.shortest > self.max_length:
-                        raise J.PromptTooLong(f"the question and its options need {len(tail)} tokens (with the state "
+                        raise J.QuestionTooLong(f"the question and its options need {len(tail)} tokens (with the state "
                                               f"cut away, more); max_length is {self.max_length}")
                 if row.type == "choice" and len(row.options) > self.max_options:
                     wide[key] = tails
@@ -354,14 +364,12 @@ class StartLuxDecision:
     def _answer(row: J.Row, p: list[float]) -> dict:
         ids = [o.id for o in row.options]
         if row.type == "noul":
-            return {"type": "noul", "noul": p[ids.index("true")]}
+            return NoulAnswer(noul=p[ids.index("true")]).model_dump()
         if row.type == "score":
-            return {"type": "score", "score": sum(i * v for i, v in enumerate(p)), "confidence": max(p),
-                    "legend": {str(i): o.label for i, o in enumerate(row.options)},
-                    "probabilities": {str(i): v for i, v in enumerate(p)}}
-        dist = dict(zip(ids, p))
-        best = max(dist, key=dist.get)
-        return {"type": "choice", "choice": best, "confidence": dist[best], "probabilities": dist}
+            return ScoreAnswer(score=sum(i * v for i, v in enumerate(p)), confidence=max(p),
+                               legend={str(i): o.label for i, o in enumerate(row.options)},
+                               probabilities={str(i): v for i, v in enumerate(p)}).model_dump()
+        return choice_answer(dict(zip(ids, p)))
 
     def _finish(self, prep: _Prepared, probs: list[list[float]], owners: dict) -> tuple[dict, dict]:
         answers = dict(prep.answers)
@@ -372,10 +380,10 @@ class StartLuxDecision:
         for key, first_prompts in prep.wide.items():
             dist, n, c = self._wide(prep, prep.questions[key], key, owners, first_prompts[0].request, first_prompts)
             tokens, cached = tokens + n, cached + c
-            best = max(dist, key=dist.get)
-            answers[key] = {"type": "choice", "choice": best, "confidence": dist[best], "probabilities": dist}
+            answers[key] = choice_answer(dist)
         ordered = {k: answers[k] for k in prep.questions}
-        return ordered, {"input_tokens": tokens, "output_tokens": 0, "input_tokens_details": {"cached_tokens": cached}}
+        usage = Usage(input_tokens=tokens, input_tokens_details=InputTokensDetails(cached_tokens=cached))
+        return ordered, usage.model_dump()
 
     # ---- public API
     def decide(self, state, questions: dict) -> tuple[dict, dict]:
@@ -388,7 +396,15 @@ class StartLuxDecision:
         """[(state, questions), ...] -> [answers, ...] (or [(answers, usage), ...] with `with_usage`). Requests
         that carry the same state share its prefix pass, and the tails of every request share passes as
         `passes.plan` decides. With `return_exceptions`, a bad request's slot holds its DecisionValidationError and
-        the others are still answered."""
+        the others are still answered. A batch of one goes through `decide` (on a GPU, its recorded graphs)."""
+        if len(requests) == 1:
+            try:
+                answers, usage = self.decide(*requests[0])
+            except DecisionValidationError as e:
+                if not return_exceptions:
+                    raise
+                return [e]
+            return [(answers, usage) if with_usage else answers]
         preps: list = []
         for i, (state, questions) in enumerate(requests):
             try:

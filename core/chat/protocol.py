@@ -1,0 +1,315 @@
+"""The chat protocol: every record that crosses a boundary of the chat path, in one torch-free module.
+
+    Ingress --GenerateRequest--> ChatModel deployment --Add/Abort/Stop--> engine process
+    Ingress <--[TokenEvent | StreamError]-- ChatModel <--Events/Rejected/Stats-- engine process
+
+- `SamplingParams` is built once, at the HTTP boundary (the request models' `to_params`), and checked once,
+  here: the limits below are the only ones (the HTTP schema quotes them).
+- `GenerateRequest` is what the chat deployment's `generate` takes: a conversation or raw prompts, the
+  parameters, and the tokens of an earlier run to continue from (`resume`).
+- `TokenEvent` is one token (or the end) of one sample; the engine emits them and they travel unchanged to the
+  Ingress, with `logprobs` filled in by the chat deployment (it has the tokenizer). A failure the client must
+  see travels as a `StreamError` in the same lists.
+- The engine process's messages (`Start` ... `Stats`) are small records the two sides match on by type.
+
+Records are frozen, slotted dataclasses: cheap to build and to pickle (the engine socket and Ray's hops both
+pickle; bench/README.md, "The protocol on the engine socket"), and importing this module costs nothing: the
+Ingress imports it without torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+# ---- sampling limits (OpenAI's where OpenAI sets one)
+MAX_TEMPERATURE = 2.0
+MAX_LOGIT_BIAS = 300            # tokens one request may bias
+MAX_TOP_LOGPROBS = 20
+MAX_STOP = 4                    # stop strings
+MIN_REPETITION_PENALTY = 0.01   # logits divided by less overflow float32 (and the penalty means nothing more)
+MAX_REPETITION_PENALTY = 10.0
+MAX_PENALTY = 2.0               # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
+GREEDY_BELOW = 1e-5             # a temperature below this is greedy, its limit (vLLM's _SAMPLING_EPS): dividing
+                                # the logits by it would overflow them
+
+CPU_POLICIES = ("normal", "idle")   # for the engine process: see engine_process.set_cpu_policy
+
+
+# ---- errors that cross the engine socket (pickled with their fields)
+class SamplingError(ValueError):
+    """Sampling parameters out of range; `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):
+        return type(self), (str(self), self.param)
+
+
+class EngineError(ValueError):
+    """A request the engine cannot take as given."""
+
+
+class EngineFull(RuntimeError):
+    """The waiting queue is full; retry later."""
+
+
+class EngineDied(RuntimeError):
+    """The engine (its process or its thread) is gone."""
+
+
+# ---- requests
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0      # 0 (or below GREEDY_BELOW) is greedy
+    top_k: int | None = None      # None or 0: no top-k filter
+    top_p: float = 1.0
+    seed: int | None = None
+    n: int = 1                    # samples of one prompt, sharing its prefill
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False      # generate max_tokens even past the end of the turn (vLLM's; for benchmarks)
+    presence_penalty: float = 0.0     # OpenAI's: subtracted once from every token generated so far
+    frequency_penalty: float = 0.0    # OpenAI's: subtracted per occurrence of a token generated so far
+    repetition_penalty: float = 1.0   # vLLM's: a token of the prompt or output has its logit divided (> 0) or
+                                      # multiplied (< 0) by it
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
+    logprobs: int | None = None       # None: none; k: each sampled token's logprob and the k most probable
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits of this request's rows need processing before sampling (logits.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise SamplingError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}",
+                                "temperature")
+        if self.top_k is not None and self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0, got {self.top_k}", "top_k")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.n < 1:
+            raise SamplingError(f"n must be at least 1, got {self.n}", "n")
+        if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingError(f"stop takes up to {MAX_STOP} non-empty strings", "stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise SamplingError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got "
+                                    f"{getattr(self, name)}", name)
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise SamplingError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                                f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}", "repetition_penalty")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}",
+                                "logit_bias")
+        for tok, bias in self.logit_bias.items():
+            if not isinstance(tok, int) or tok < 0:
+                raise SamplingError(f"logit_bias keys must be token ids, got {tok!r}", "logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise SamplingError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}",
+                                    "logit_bias")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
+                                "top_logprobs")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """What a checkpoint samples with when a request leaves a value out (its chat.json)."""
+
+    temperature: float = 0.6
+    top_k: int | None = 50
+    top_p: float = 1.0
+    max_tokens: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One generation for the chat deployment: a conversation (`messages`, rendered by its chat template) or raw
+    `prompts` (text or token ids, one stream each; sample i of prompt p is choice p * n + i). `resume`: the
+    token ids an earlier run of this request had delivered (one prompt, n = 1); the stream continues that run."""
+
+    params: SamplingParams
+    messages: tuple[dict, ...] | None = None
+    prompts: tuple[str | tuple[int, ...], ...] | None = None
+    resume: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.prompts is None):
+            raise EngineError("a generation takes either messages or prompts")
+
+    def resumed(self, tokens: list[int]) -> "GenerateRequest":
+        """This request, continuing from `tokens`."""
+        return GenerateRequest(self.params, self.messages, self.prompts, tuple(tokens))
+
+
+# ---- what comes back
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token as OpenAI's logprobs show it: its text, its UTF-8 bytes, its log-probability."""
+
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """A sampled token's entry: the token itself and the most probable tokens at its position."""
+
+    chosen: TokenLogprob
+    top: tuple[TokenLogprob, ...]
+
+
+Segment = Literal["text", "python", "python_output"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One token of one sample, or the end of a sample (`finish_reason` set, `token` None)."""
+
+    request_id: str
+    index: int                      # sample index within the request (choice index at the Serve hop)
+    token: int | None
+    text: str = ""                  # text delta of this token in its segment
+    segment: Segment = "text"       # "text", "python" (calculator call) or "python_output" (its result)
+    forced: bool = False            # injected by the tool, not sampled
+    closes: bool = False            # this token (<|python_end|> or <|output_end|>) ends its segment
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0          # prompt tokens whose keys and values were reused, not computed
+    logprob: float | None = None    # of a sampled token, when the request asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None   # (token id, logprob), most probable first
+    logprobs: Logprobs | None = None   # the same as clients see it (set by the chat deployment)
+
+    @property
+    def shows_output(self) -> bool:
+        """A client sees something of this event: text, or the end of a calculator part."""
+        return self.closes or bool(self.text and self.segment == "text")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamError:
+    """A generation that failed in a way the client must be told: OpenAI's error fields."""
+
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    running: int
+    waiting: int
+    rows_used: int
+    rows_total: int
+    cache_tokens: int                # positions stored in the KV cache across rows
+    cache_capacity: int              # rows * sequence_len
+    prefix_query_tokens: int = 0     # prompt tokens looked up in the prefix index
+    prefix_hit_tokens: int = 0       # of those, found in a cached row (reused, not computed)
+    cached_rows: int = 0             # free rows that hold a prefix
+    cached_prefix_tokens: int = 0    # tokens those rows hold
+
+    @property
+    def cache_usage(self) -> float:
+        return self.cache_tokens / self.cache_capacity if self.cache_capacity else 0.0
+
+
+# ---- configuration
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How a chat engine runs: its rows and queues (LLMEngine) and where it steps (engine_process.start_engine).
+    Each default here is the one default of that setting (the deployment's settings embed this record)."""
+
+    max_rows: int = 32              # concurrent sequences = KV-cache rows
+    prefill_chunk: int = 512        # prompt tokens prefilled per step while other streams decode
+    max_waiting: int = 256          # requests queued inside the engine before it refuses (EngineFull)
+    initial_cache_len: int | None = 256   # cache positions allocated at first (grown on demand; CPU only)
+    cuda_graphs: bool = True        # on CUDA, decode passes replay recorded graphs (the cache is then full length)
+    prefix_caching: bool = True     # reuse the keys and values finished requests leave in their rows
+    process: bool = True            # step the engine in a child process (engine_process.py), not on a thread
+    torch_threads: int | None = None   # torch's intra-op threads for the model (None: torch's choice)
+    cpu_policy: Literal["normal", "idle"] = "normal"   # "idle": the engine process runs under SCHED_IDLE
+
+    def __post_init__(self) -> None:
+        if self.cpu_policy not in CPU_POLICIES:
+            raise ValueError(f"cpu_policy must be one of {list(CPU_POLICIES)}, not {self.cpu_policy!r}")
+        if self.cpu_policy != "normal" and not self.process:
+            raise ValueError("an engine CPU policy other than 'normal' needs the engine in its own process "
+                             "(process=True): on a thread it would also slow the replica's event loop")
+        if self.max_rows < 1 or self.max_waiting < 0:
+            raise ValueError("max_rows must be at least 1 and max_waiting not negative")
+
+
+# ---- the engine process's messages
+@dataclass(frozen=True, slots=True)
+class Start:
+    """parent -> child, once: what the child builds its engine from (the weights are read there)."""
+
+    checkpoint: str
+    device: str | None
+    config: EngineConfig
+    prefix_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    resume: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """child -> parent, once: the engine is built."""
+
+    device: str
+    pid: int
+    torch_threads: int
+    cpu_policy: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """child -> parent, once, instead of Ready: the build failed (its traceback)."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Events:
+    """Every event of one engine step (the first tokens of new prompts go in an earlier one, before the decode)."""
+
+    events: list[TokenEvent]
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    request_id: str
+    error: Exception
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    stats: EngineStats

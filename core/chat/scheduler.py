@@ -1,0 +1,218 @@
+"""The scheduling side of the chat engine: queues, admission, the row pool, retirement. No torch, no model.
+
+A request waits in arrival order (FIFO, so nobody starves) until enough rows are free for its `n` samples;
+its first sample's row then starts with the longest cached prefix of its prompt (prefix_index.py): a free row
+holding it is taken over as it is, else the engine copies the prefix in (`Admitted.copy_from`). Prompts
+prefill up to `prefill_chunk` tokens a step (several short ones together, a long one a chunk per step, so
+running streams keep flowing); every running sample decodes one token a step. Finished samples give their
+rows back, with the tokens those rows hold, for later prompts to reuse.
+
+`add` and `abort` may be called from another thread than the one that steps; everything else runs on the
+stepping thread.
+"""
+from __future__ import annotations
+
+import random
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from .outputs import SampleOutput
+from .prefix_index import RowPool
+from .protocol import EngineConfig, EngineFull, EngineError, SamplingParams
+
+
+@dataclass
+class Sample:
+    """One of a request's samples: its row and place in the KV cache, its random stream, its output state."""
+
+    rng: random.Random
+    output: SampleOutput
+    row: int = -1
+    position: int = 0               # tokens of this row already in the cache
+    pending: int | None = None      # last token, not yet fed to the model
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finish_reason is not None
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_new: int                    # tokens it may generate: max_tokens, cut to the context
+    samples: list[Sample]
+    resume: list[int] = field(default_factory=list)   # tokens already generated, continued from (n == 1)
+    prefilled: int = 0              # tokens of `feed` in the first sample's row
+    cached_tokens: int = 0          # prompt tokens reused from the prefix cache, not computed
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def done(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    @property
+    def feed(self) -> list[int]:
+        """What the first sample's row is prefilled with: the prompt, then the tokens continued from."""
+        return self.prompt + self.resume if self.resume else self.prompt
+
+    def fed(self, s: Sample) -> list[int]:
+        """The tokens whose keys and values sample `s`'s row holds: what was fed into it (the last sampled token
+        never was). A sample whose prompt was still prefilling holds the prefilled part if it is the first."""
+        if s.position:
+            return (self.prompt + s.output.generated)[:s.position]
+        return self.feed[:self.prefilled] if s is self.samples[0] else []
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request that got its rows this step; `copy_from` (row, tokens) when its first row needs a prefix copied
+    in from a row that keeps it."""
+
+    request: Request
+    copy_from: tuple[int, int] | None
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig):
+        self.max_rows, self.max_waiting = config.max_rows, config.max_waiting
+        self.prefill_chunk = max(1, config.prefill_chunk)
+        self.prefix_caching = config.prefix_caching
+        self.pool = RowPool(config.max_rows)
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._inbox: deque[Request] = deque()
+        self._aborts: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ---- from any thread
+    def add(self, req: Request) -> None:
+        with self._lock:
+            if req.id in self.requests:
+                raise EngineError(f"request id {req.id!r} is already in use")
+            if len(self.waiting) + len(self._inbox) >= self.max_waiting:
+                raise EngineFull(f"{self.max_waiting} requests are already waiting")
+            self.requests[req.id] = req
+            self._inbox.append(req)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self.requests:
+                self._aborts.add(request_id)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self.requests)
+
+    def counts(self) -> tuple[int, int, int]:
+        """(running, waiting, cache positions in use)."""
+        with self._lock:
+            waiting = len(self.waiting) + len(self._inbox)
+            active = [s for r in self.prefilling + self.running for s in r.samples if s.row >= 0]
+        return len(self.prefilling) + len(self.running), waiting, sum(s.position for s in active)
+
+    # ---- one step, on the stepping thread
+    def collect(self) -> list[Request]:
+        """Take in what arrived since the last step; -> the requests aborted meanwhile that have not finished
+        (they leave the waiting queue; the caller ends their samples)."""
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+            while self._inbox:
+                self.waiting.append(self._inbox.popleft())
+        out = []
+        for rid in aborts:
+            req = self.requests.get(rid)
+            if req is None or req.done:
+                continue
+            if req in self.waiting:
+                self.waiting.remove(req)
+            out.append(req)
+        return out
+
+    def admit(self) -> list[Admitted]:
+        """Rows for waiting requests, in arrival order, while enough are free. At least the last prompt token is
+        always computed (its logits are sampled from), so a cached prefix covers at most all but one."""
+        out = []
+        while self.waiting and self.pool.n_free >= self.waiting[0].params.n:
+            req = self.waiting.popleft()
+            feed = req.feed
+            m = self.pool.match(feed, limit=len(feed) - 1)
+            first = req.samples[0]
+            copy = None
+            if m.length and m.free:
+                self.pool.take(m.row)
+                first.row = m.row
+            else:
+                first.row = self.pool.allocate()
+                if m.length:
+                    copy = (m.row, m.length)
+            for s in req.samples[1:]:
+                s.row = self.pool.allocate()
+            req.prefilled, req.cached_tokens = m.length, min(m.length, len(req.prompt))
+            out.append(Admitted(req, copy))
+        return out
+
+    def start_prefill(self, req: Request) -> None:
+        self.prefilling.append(req)
+
+    def start_running(self, req: Request) -> None:
+        """A request that goes straight to decoding (or that ended while admitted: retire frees its rows)."""
+        self.running.append(req)
+
+    def prefill_batch(self) -> list[tuple[Request, int]]:
+        """(request, prompt tokens to feed it this step), within prefill_chunk tokens in all."""
+        budget, batch = self.prefill_chunk, []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            take = min(budget, len(req.feed) - req.prefilled)
+            batch.append((req, take))
+            budget -= take
+        return batch
+
+    def prefilled(self, req: Request) -> None:
+        """`req`'s prompt is in its rows: it decodes from now on, and (with prefix caching) other requests may
+        copy its prompt's keys."""
+        if self.prefix_caching:
+            self.pool.hold(req.samples[0].row, req.feed)
+        self.prefilling.remove(req)
+        self.running.append(req)
+
+    def decoding(self) -> list[tuple[Request, Sample]]:
+        """The samples that decode a token this step, in row order. A prompt that finishes prefilling this step
+        starts decoding at the next: every sample gets at most one token per step."""
+        out = [(r, s) for r in self.running for s in r.samples if not s.finished]
+        out.sort(key=lambda rs: rs[1].row)
+        return out
+
+    def unfinished(self) -> list[tuple[Request, Sample]]:
+        """Every sample of every request not yet finished (to end them all after a fault); the waiting queue is
+        emptied."""
+        with self._lock:
+            while self._inbox:
+                self.waiting.append(self._inbox.popleft())
+            self._aborts.clear()
+        out = [(r, s) for r in list(self.waiting) + self.prefilling + self.running for s in r.samples
+               if not s.finished]
+        self.waiting.clear()
+        return out
+
+    def retire(self) -> None:
+        """Free the rows of finished samples (keeping what they hold indexed) and forget finished requests."""
+        for req in list(self.prefilling) + list(self.running):
+            for s in req.samples:
+                if s.finished and s.row >= 0:
+                    self.pool.release(s.row, req.fed(s) if self.prefix_caching else [])
+                    s.row = -1
+            if req.done:
+                (self.prefilling if req in self.prefilling else self.running).remove(req)
+        with self._lock:
+            for rid in [rid for rid, r in self.requests.items() if r.done]:
+                del self.requests[rid]

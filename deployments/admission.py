@@ -1,0 +1,77 @@
+"""Chat admission in the Ingress: how many generations go to the chat deployment at once, and who waits.
+
+At most `limit` generations are in flight from one Ingress replica, `waiting` more wait for a slot here, and
+anything beyond is refused at once, before its body is read: a 503 then costs almost nothing, where a request
+queued in Serve's router keeps probing the chat replicas for room (and under a retry storm those probes, not
+the model, saturate the machine; bench/README.md). A refusal is answered after `refusal_delay_s`: a client that
+resends at once, ignoring Retry-After, then costs one cheap refusal per delay instead of one per round trip.
+limit None: no limit here (Serve's queue decides).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+
+from .errors import APIError, error
+
+
+class Admission:
+    def __init__(self, limit: int | None, waiting: int, refusal_delay_s: float = 0.0):
+        self.limit, self.max_waiting, self.refusal_delay_s = limit, waiting, refusal_delay_s
+        self.free = limit or 0
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    @property
+    def in_flight(self) -> int:
+        return (self.limit or 0) - self.free
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def enter(self) -> "Slot":
+        if self.limit is None:
+            return Slot(None)
+        if self.free > 0:
+            self.free -= 1
+            return Slot(self)
+        if len(self._waiters) >= self.max_waiting:
+            if self.refusal_delay_s:
+                await asyncio.sleep(self.refusal_delay_s)
+            raise APIError(error("the chat model is at capacity; retry shortly", "overloaded_error",
+                                 code="overloaded"))
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut                       # a leaving slot is handed over to us
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._leave()               # handed over just as we gave up: pass it on
+            else:
+                self._waiters.remove(fut)
+            raise
+        return Slot(self)
+
+    def _leave(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.free += 1
+
+
+class Slot:
+    """One admitted generation; `release` gives the slot back, once, however often it is called (and when the
+    slot is dropped unreleased, e.g. with a response stream that never started)."""
+
+    def __init__(self, admission: Admission | None):
+        self._admission = admission
+
+    def release(self) -> None:
+        admission, self._admission = self._admission, None
+        if admission is not None:
+            admission._leave()
+
+    def __del__(self):
+        self.release()

@@ -1,0 +1,82 @@
+"""One chat generation over HTTP: started on a chat replica, then streamed as server-sent events or gathered
+into one response. The slot the generation holds in the Ingress's admission goes back when it ends."""
+from __future__ import annotations
+
+import logging
+
+from fastapi.responses import StreamingResponse
+
+from core.chat.protocol import StreamError
+
+from .admission import Slot
+from .errors import APIError, error
+from .openai_api import Completion, sse
+from .resume import ChatStream
+
+logger = logging.getLogger(__name__)
+
+INTERRUPTED = error("the chat stream was interrupted by a server fault; retry the request", "server_error")
+
+
+async def respond(stream: ChatStream, completion: Completion, streamed: bool, include_usage: bool, slot: Slot):
+    """Start `stream` (retried while no replica answers); a refusal is raised as an APIError. Then an SSE
+    response that takes `slot` along, or the gathered response."""
+    try:
+        first = await stream.start()
+    except StopAsyncIteration:
+        raise APIError(error("the model ended the stream without output", "server_error")) from None
+    if isinstance(first[0], StreamError):
+        stream.cancel()
+        raise APIError.of(first[0])
+    if streamed:
+        return StreamingResponse(events(stream, first, completion, include_usage, slot),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        batch = first
+        while True:
+            for event in batch:
+                if isinstance(event, StreamError):
+                    raise APIError.of(event)
+                completion.feed(event)
+            batch = await stream.__anext__()
+    except StopAsyncIteration:
+        pass
+    finally:
+        stream.cancel()
+        slot.release()
+    return completion.response()
+
+
+async def events(stream: ChatStream, first: list, completion: Completion, include_usage: bool, slot: Slot):
+    """The SSE body: the first chunks, one write per batch of ready events, the usage chunk when asked, [DONE].
+    A failure ends it with an error event, never a hang."""
+    try:
+        for chunk in completion.first_chunks():
+            yield sse(chunk)
+        batch, failed = first, False
+        while not failed:
+            text = []
+            for event in batch:
+                if isinstance(event, StreamError):
+                    text.append(sse(APIError.of(event).body))
+                    failed = True
+                    break
+                text += [sse(chunk) for chunk in completion.feed(event)]
+            if text:
+                yield "".join(text)
+            if failed:
+                break
+            try:
+                batch = await stream.__anext__()
+            except StopAsyncIteration:
+                if include_usage:
+                    yield sse(completion.usage_chunk())
+                break
+        yield "data: [DONE]\n\n"
+    except Exception as e:   # lost mid-stream and not continued: end with an error event, never hang
+        logger.warning("chat stream failed: %r", e)
+        yield sse(INTERRUPTED)
+        yield "data: [DONE]\n\n"
+    finally:
+        stream.cancel()      # the client went away (or we are done): free the engine's rows
+        slot.release()

@@ -1,0 +1,154 @@
+"""The application's settings: one object per part, validated once from the config's `args`, passed whole.
+
+    args (serve_config.yaml) -> AppArgs -> .chat     ChatSettings     -> ChatModel     -> .engine EngineConfig -> engine
+                                        -> .decision DecisionSettings -> DecisionModel -> .scorer DecisionConfig -> scorer
+                                        -> .ingress  IngressSettings  -> Ingress
+
+The engine's and the scorer's settings are core's own records (EngineConfig, DecisionConfig), embedded here, so
+each default is written once, where the code that uses it lives. The config's keys stay flat, as users have
+them: `chat_<name>` is ChatSettings' `<name>` or the engine's (`chat_max_rows` -> chat.engine.max_rows;
+`chat_engine_process` -> chat.engine.process), `decision_<name>` the same for the decision model and its scorer,
+`device` both models', and any other key the Ingress's. The nested form (`chat: {max_rows: 64}`) means the same.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from core.chat.protocol import EngineConfig
+from core.decision.config import DecisionConfig
+
+DEMO_MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def _route_into(data: Any, own: set[str], nested: str, record) -> Any:
+    """Keys of `data` that are not the settings' own but name a field of `record` (as they are, or after
+    `engine_`) move into the `nested` dict; any other key stays, for pydantic to take or refuse."""
+    if not isinstance(data, dict):
+        return data
+    names = {f.name for f in dataclasses.fields(record)}
+    out, inner = {}, {}
+    for key, value in data.items():
+        name = key.removeprefix("engine_")
+        if key == nested and isinstance(value, dict):
+            inner.update(value)
+        elif key not in own and name in names:
+            inner[name] = value
+        else:
+            out[key] = value
+    if inner:
+        out[nested] = dataclasses.replace(out[nested], **inner) if nested in out else inner
+    return out
+
+
+class ChatSettings(BaseModel):
+    """The chat deployment: which checkpoint, how it streams, and its engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str = str(DEMO_MODELS / "demo-chat")
+    model_name: str | None = None                   # default: the checkpoint directory's name
+    device: str | None = None                       # "cuda", "cpu", or None for CUDA when present
+    stream_interval: int = Field(1, ge=1)           # after a stream's first text, tokens per message to the Ingress
+    engine: EngineConfig = EngineConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_fields(cls, data: Any) -> Any:
+        return _route_into(data, set(cls.model_fields), "engine", EngineConfig)
+
+    @property
+    def name(self) -> str:
+        return self.model_name or os.path.basename(os.path.normpath(self.checkpoint))
+
+
+class DecisionSettings(BaseModel):
+    """The decision deployment: which checkpoint, the names it answers to, and its scorer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str = str(DEMO_MODELS / "demo-decision")
+    model_name: str = "startlux-decision"
+    model_aliases: list[str] = []                   # other names clients may send as `model` (e.g. "jev-latest")
+    device: str | None = None
+    torch_threads: int | None = None                # torch intra-op threads of the model (None: Ray's default)
+    scorer: DecisionConfig = DecisionConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _scorer_fields(cls, data: Any) -> Any:
+        return _route_into(data, set(cls.model_fields), "scorer", DecisionConfig)
+
+
+class BatchSettings(BaseModel):
+    """The decision deployment's live settings (its `user_config`, applied by `reconfigure`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(16, ge=1)           # requests in one decide_batch
+    batch_wait_timeout_s: float = Field(0.01, ge=0)   # how long a batch waits to fill
+
+
+class IngressSettings(BaseModel):
+    """The Ingress: keys, request limits, retries and chat admission."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_keys: list[str] = []                        # prefer api_keys_env: keys in a config file leak
+    api_keys_env: str | None = None                 # name of an env var holding comma-separated keys
+    max_body_bytes: int = 1_000_000
+    max_messages: int = 256
+    max_message_chars: int = 32_000
+    max_n: int = 8
+    max_questions: int = 64
+    retry_timeout_s: float = 60.0                   # how long a call whose replica died is retried elsewhere
+    max_chat_inflight: int | None = None            # generations one Ingress replica sends the chat model at once
+    max_chat_waiting: int = 64                      # more waiting in the Ingress for a slot; beyond: 503
+    refusal_delay_s: float = Field(0.0, ge=0, le=10)   # how long a refused generation waits for its 503
+
+    def with_env_keys(self) -> "IngressSettings":
+        """These settings with the keys of `api_keys_env` (read now, in the process that builds the app) added."""
+        keys = [k for k in self.api_keys if k]
+        if self.api_keys_env:
+            keys += [k.strip() for k in os.environ.get(self.api_keys_env, "").split(",") if k.strip()]
+        return self.model_copy(update={"api_keys": keys, "api_keys_env": None})
+
+
+SECTIONS = {"chat": ChatSettings, "decision": DecisionSettings, "ingress": IngressSettings}
+
+
+class AppArgs(BaseModel):
+    """The config's `args`: flat keys (see the module's docstring) or one dict per part."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    chat: ChatSettings = ChatSettings()
+    decision: DecisionSettings = DecisionSettings()
+    ingress: IngressSettings = IngressSettings()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        parts: dict[str, dict] = {name: {} for name in SECTIONS}
+        for key, value in data.items():
+            if key in SECTIONS and isinstance(value, dict):
+                parts[key].update(value)
+            elif key == "device":
+                parts["chat"].setdefault("device", value)
+                parts["decision"].setdefault("device", value)
+            elif key.startswith(("chat_", "decision_")):
+                part, name = key.split("_", 1)
+                parts[part][name] = value
+            elif key in IngressSettings.model_fields:
+                parts["ingress"][key] = value
+            else:
+                raise ValueError(f"unknown argument {key!r}: the arguments are chat_<setting>, decision_<setting>, "
+                                 f"device, and the Ingress's ({', '.join(IngressSettings.model_fields)}); "
+                                 f"docs/configuration.md lists them")
+        return {name: part for name, part in parts.items() if part}

@@ -13,12 +13,12 @@ prompt (merged), the events grouped into messages (`stream_interval`), metrics o
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import time
 from typing import AsyncIterator
 
+import msgspec
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
@@ -115,7 +115,7 @@ def with_logprobs(tok: ChatTokenizer, ev: TokenEvent) -> TokenEvent:
         return ev
     entry = Logprobs(token_logprob(tok, ev.token, ev.logprob),
                      tuple(token_logprob(tok, t, lp) for t, lp in ev.top_logprobs))
-    return dataclasses.replace(ev, logprobs=entry)
+    return msgspec.structs.replace(ev, logprobs=entry)
 
 
 async def merged(streams: list, n: int) -> AsyncIterator[list[TokenEvent]]:
@@ -132,7 +132,7 @@ async def merged(streams: list, n: int) -> AsyncIterator[list[TokenEvent]]:
                 except StopAsyncIteration:
                     continue
                 pending[asyncio.ensure_future(streams[i].__anext__())] = i
-                yield [dataclasses.replace(ev, index=i * n + ev.index) for ev in batch]
+                yield [msgspec.structs.replace(ev, index=i * n + ev.index) for ev in batch]
     finally:
         for fut in pending:
             fut.cancel()

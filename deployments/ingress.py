@@ -6,7 +6,6 @@ admission), resume.py (retries, and streams that continue on another replica), g
 response), openapi.py (the published schema), web.py (the page). This process runs no model: it imports
 neither torch nor transformers (a test checks).
 """
-from __future__ import annotations
 
 import asyncio
 import hmac
@@ -20,7 +19,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.serve.metrics import Counter
 
-from core.chat.protocol import GenerateRequest, SamplingError
+from core.chat.protocol import GenerateRequest, SamplingError, SamplingParams
 from core.decision.types import DecisionRequest
 
 from . import web
@@ -194,7 +193,7 @@ class Ingress:
         info = await self._chat_model(req.model)
         self._check_messages(req, info)
         self._check_sampling(req, req.max_completion_tokens or req.max_tokens, info)
-        gen = GenerateRequest(_params(req, info), messages=tuple(m.for_prompter() for m in req.messages))
+        gen = GenerateRequest(self._params(req, info), messages=tuple(m.for_prompter() for m in req.messages))
         return await self._generate(gen, Completion(info["id"], req.n, logprobs=req.logprobs), req, slot,
                                     resumable=req.n == 1)
 
@@ -217,7 +216,8 @@ class Ingress:
         if req.echo:
             echo = [p if isinstance(p, str) else await self.chat.detokenize.remote(p) for p in prompts]
         completion = TextCompletion(info["id"], req.n, len(prompts), logprobs=req.logprobs is not None, echo=echo)
-        gen = GenerateRequest(_params(req, info), prompts=tuple(p if isinstance(p, str) else tuple(p) for p in prompts))
+        gen = GenerateRequest(self._params(req, info),
+                              prompts=tuple(p if isinstance(p, str) else tuple(p) for p in prompts))
         return await self._generate(gen, completion, req, slot, resumable=req.n == 1 and len(prompts) == 1)
 
     async def _chat_model(self, model: str | None) -> dict:
@@ -249,6 +249,14 @@ class Ingress:
             raise APIError(error(f"n must be at most {min(limits.max_n, info['max_n'])}", param="n"))
 
     @staticmethod
+    def _params(req, info: dict) -> SamplingParams:
+        """The request's SamplingParams with the chat model's defaults; a value out of range is a 400 naming it."""
+        try:
+            return req.to_params(info["sampling_defaults"])
+        except SamplingError as e:
+            raise APIError(error(str(e), param=e.param)) from None
+
+    @staticmethod
     def _check_sampling(req, max_tokens: int | None, info: dict) -> None:
         if max_tokens is not None and max_tokens >= info["sequence_len"]:
             raise APIError(error(f"max_tokens must be below the model's context of {info['sequence_len']} tokens",
@@ -258,10 +266,3 @@ class Ingress:
             raise APIError(error(f"logit_bias token ids must be below the vocabulary size {vocab}",
                                  param="logit_bias"))
 
-
-def _params(req, info: dict):
-    """The request's SamplingParams with the chat model's defaults; a value out of range is a 400 naming it."""
-    try:
-        return req.to_params(info["sampling_defaults"])
-    except SamplingError as e:
-        raise APIError(error(str(e), param=e.param)) from None

@@ -3,7 +3,6 @@
 Served under a policy that runs only the page's own script and style (no inline script, no eval) and talks
 only to this origin. Loading the page needs no key: every API call it makes sends one.
 """
-from __future__ import annotations
 
 from functools import cache
 from pathlib import Path

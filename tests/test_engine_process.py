@@ -1,6 +1,5 @@
 """The engine in a child process (ProcessEngine) against the same engine on a thread (AsyncEngine)."""
 import asyncio
-import dataclasses
 import os
 import signal
 import subprocess
@@ -9,6 +8,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from core.chat import EngineError, EngineFull, LLMEngine, SamplingParams, load_chat_model, save_chat_model
@@ -202,7 +202,7 @@ def test_chat_deployment_same_events_with_either_front(checkpoint):
     too_many = GenerateRequest(Params(n=9), messages=messages)
 
     async def events(model, req):       # request ids are the engine client's own: compared without them
-        return [dataclasses.replace(ev, request_id="") if isinstance(ev, TokenEvent) else ev
+        return [msgspec.structs.replace(ev, request_id="") if isinstance(ev, TokenEvent) else ev
                 async for batch in model.generate(req) for ev in batch]
 
     got = {}
@@ -243,7 +243,7 @@ def test_stream_interval_groups_tokens_after_the_first(checkpoint):
             got[interval] = run(messages(model))
         finally:
             model.engine.shutdown()
-    flat = lambda messages: [dataclasses.replace(ev, request_id="") for m in messages for ev in m]   # noqa: E731
+    flat = lambda messages: [msgspec.structs.replace(ev, request_id="") for m in messages for ev in m]   # noqa: E731
     assert flat(got[4]) == flat(got[1])
     tokens = [sum(ev.token is not None for ev in m) for m in got[4]]
     assert sum(tokens) == 22

@@ -27,7 +27,7 @@ from core.chat.engine_process import start_engine
 from core.chat.protocol import (EngineDied, EngineError, EngineFull, EngineStats, GenerateRequest, Logprobs,
                                 SamplingDefaults, SamplingError, Start, StreamError, TokenEvent, TokenLogprob)
 
-from .settings import ChatSettings
+from .settings import ChatSettings, checkpoint_time
 
 logger = logging.getLogger(__name__)
 
@@ -182,8 +182,8 @@ class ChatModel:
 
     def info(self) -> dict:
         d = self.defaults
-        return {"id": self.name, "sequence_len": self.sequence_len, "max_n": self.engine.max_rows,
-                "vocab_size": self.tok.vocab_size,
+        return {"id": self.name, "created": checkpoint_time(self.settings.checkpoint), "sequence_len": self.sequence_len,
+                "max_n": self.engine.max_rows, "vocab_size": self.tok.vocab_size,
                 "sampling_defaults": SamplingDefaults(d.temperature, d.top_k, d.top_p, d.max_tokens)}
 
     def stats(self) -> dict:

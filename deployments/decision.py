@@ -18,7 +18,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from core.decision import DecisionValidationError, StartLuxDecision
 
 from .errors import error
-from .settings import BatchSettings, DecisionSettings
+from .settings import BatchSettings, DecisionSettings, checkpoint_time
 
 BATCH = BatchSettings()
 
@@ -63,7 +63,8 @@ class DecisionModel:
         self._batched.set_batch_wait_timeout_s(batch.batch_wait_timeout_s)
 
     def info(self) -> dict:
-        return {"id": self.name, "aliases": self.aliases, "max_length": self.scorer.max_length,
+        return {"id": self.name, "created": checkpoint_time(self.scorer.path), "aliases": self.aliases,
+                "max_length": self.scorer.max_length,
                 "torch_threads": torch.get_num_threads()}
 
     def stats(self) -> dict:

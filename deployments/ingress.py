@@ -9,7 +9,6 @@ neither torch nor transformers (a test checks).
 
 import asyncio
 import hmac
-import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -24,6 +23,7 @@ from core.decision.types import DecisionRequest
 
 from . import web
 from .admission import Admission, Slot
+from .bodies import read_json
 from .errors import RETRY_AFTER_S, APIError, error, install_handlers, validation_message
 from .generation import respond
 from .openai_api import ChatCompletionRequest, Completion, TextCompletion, TextCompletionRequest, unsupported
@@ -76,30 +76,11 @@ class Ingress:
             raise APIError(error("missing or invalid API key (send Authorization: Bearer <key>)",
                                  "invalid_request_error", code="invalid_api_key"))
 
-    async def _json(self, request: Request) -> dict:
-        limit = self.settings.max_body_bytes
-        too_large = APIError(error(f"request body over {limit} bytes", "invalid_request_error", code="body_too_large"))
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise too_large
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(error(f"malformed JSON: {e}")) from None
-        if not isinstance(data, dict):
-            raise APIError(error("the request body must be a JSON object"))
-        return data
-
     async def _parse(self, request: Request, schema, openai: bool = False):
         """Key check, bounded body, JSON, (for OpenAI routes) no unsupported parameter, schema: a parsed request or
         an APIError."""
         self._authorize(request)
-        data = await self._json(request)
+        data = await read_json(request, self.settings.max_body_bytes, self.settings.max_json_depth)
         if openai and (bad := unsupported(data)):
             name, what = bad
             raise APIError(error(f"`{name}` is not supported by this service ({what}); send the request without it",
@@ -134,11 +115,11 @@ class Ingress:
     async def models(self, request: Request):
         self._authorize(request)
         chat, decision = await asyncio.gather(self.chat_info(), self.decision_info())
+        card = lambda info, kind, **extra: {"id": info["id"], "object": "model", "created": info["created"],  # noqa: E731
+                                            "owned_by": "startlux-serve", "kind": kind, **extra}
         return {"object": "list", "data": [
-            {"id": chat["id"], "object": "model", "owned_by": "startlux-serve", "kind": "chat"},
-            {"id": decision["id"], "object": "model", "owned_by": "startlux-serve", "kind": "decision"},
-            *({"id": alias, "object": "model", "owned_by": "startlux-serve", "kind": "decision",
-               "alias_of": decision["id"]} for alias in decision["aliases"])]}
+            card(chat, "chat"), card(decision, "decision"),
+            *(card(decision, "decision", id=alias, alias_of=decision["id"]) for alias in decision["aliases"])]}
 
     @app.get("/debug/stats")
     async def stats(self, request: Request):

@@ -220,9 +220,9 @@ class Completion:
             delta["content"] = content
         if parts is not None:
             delta["parts"] = parts
-        choice = {"index": i, "delta": delta, "finish_reason": finish}
-        if self.want_logprobs:
-            choice["logprobs"] = {"content": self.unsent[i]} if self.unsent[i] else None
+        choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
+        if self.want_logprobs and self.unsent[i]:
+            choice["logprobs"] = {"content": self.unsent[i], "refusal": None}
             self.unsent[i] = []
         return self._chunk([choice])
 
@@ -277,8 +277,8 @@ class Completion:
         return [self._choice_chunk(i, parts=[{"type": kind, "text": text}])]
 
     def first_chunks(self) -> list[dict]:
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-                for i in range(len(self.text))]
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                              "logprobs": None}]) for i in range(len(self.text))]
 
     def usage_chunk(self) -> dict:
         return self._chunk([], self.usage())
@@ -286,12 +286,11 @@ class Completion:
     def response(self) -> dict:
         choices = []
         for i, text in enumerate(self.text):
-            msg = {"role": "assistant", "content": text}
+            msg = {"role": "assistant", "content": text, "refusal": None}
             if any(p["type"] != "text" for p in self.parts[i]):
                 msg["parts"] = self.parts[i]
-            choice = {"index": i, "message": msg, "finish_reason": self.finish[i] or "stop"}
-            if self.want_logprobs:
-                choice["logprobs"] = {"content": self.logprobs[i]}
+            choice = {"index": i, "message": msg, "finish_reason": self.finish[i] or "stop",
+                      "logprobs": {"content": self.logprobs[i], "refusal": None} if self.want_logprobs else None}
             choices.append(choice)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
@@ -366,11 +365,13 @@ class LogprobEntry(TokenLogprob):
 
 class ChoiceLogprobs(BaseModel):
     content: list[LogprobEntry] | None = None
+    refusal: list[LogprobEntry] | None = None    # always null: the models here do not refuse
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    refusal: None = None                        # OpenAI's field: these models never refuse
     parts: list[ContentPart] | None = None     # the reply in order, calculator calls and results included
 
 
@@ -378,7 +379,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: ChoiceLogprobs | None = None
+    logprobs: ChoiceLogprobs | None             # null unless the request asked for logprobs
 
 
 class PromptTokensDetails(BaseModel):
@@ -430,6 +431,7 @@ class TextCompletionResponse(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
+    created: int                                # the checkpoint's time (its config file's modification time)
     owned_by: str
     kind: Literal["chat", "decision"]
     alias_of: str | None = None

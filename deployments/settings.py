@@ -25,6 +25,11 @@ from core.decision.config import DecisionConfig
 DEMO_MODELS = Path(__file__).resolve().parent.parent / "models"
 
 
+def checkpoint_time(path: str) -> int:
+    """When a checkpoint was made, as /v1/models shows it: its config.json's modification time (Unix seconds)."""
+    return int(os.path.getmtime(os.path.join(path, "config.json")))
+
+
 def _route_into(data: Any, own: set[str], nested: str, record) -> Any:
     """Keys of `data` that are not the settings' own but name a field of `record` (as they are, or after
     `engine_`) move into the `nested` dict; any other key stays, for pydantic to take or refuse."""
@@ -101,6 +106,7 @@ class IngressSettings(BaseModel):
     api_keys: list[str] = []                        # prefer api_keys_env: keys in a config file leak
     api_keys_env: str | None = None                 # name of an env var holding comma-separated keys
     max_body_bytes: int = 1_000_000
+    max_json_depth: int = Field(64, ge=1)           # arrays and objects nested deeper: 400 (json_too_deep)
     max_messages: int = 256
     max_message_chars: int = 32_000
     max_n: int = 8

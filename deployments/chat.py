@@ -24,8 +24,8 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from core.chat import ChatPrompter, ChatTokenizer, PromptError, load_chat_defaults, load_chat_tokenizer
 from core.chat.engine_process import start_engine
-from core.chat.protocol import (EngineDied, EngineError, EngineFull, EngineStats, GenerateRequest, Logprobs,
-                                SamplingDefaults, SamplingError, Start, StreamError, TokenEvent, TokenLogprob)
+from core.chat.protocol import (EngineDied, EngineError, EngineFull, EngineStats, GenerateRequest, SamplingDefaults,
+                                SamplingError, ShownLogprobs, ShownToken, Start, StreamError, TokenEvent)
 
 from .settings import ChatSettings, checkpoint_time
 
@@ -100,22 +100,29 @@ MODEL_FAILED = StreamError("the model failed while generating", "server_error")
 ENGINE_STOPPED = StreamError("the chat engine stopped while generating; retry the request", "server_error")
 
 
-def token_logprob(tok: ChatTokenizer, token_id: int, logprob: float) -> TokenLogprob:
+def shown_token(tok: ChatTokenizer, token_id: int, logprob: float | None) -> ShownToken:
     """A token as OpenAI's logprobs show it: its text, its UTF-8 bytes, its logprob. A special token shows its
     name and has no bytes; a token that is part of a multi-byte character shows U+FFFD and its own bytes."""
     raw = tok.token_bytes(token_id)
     text = raw.decode("utf-8", errors="replace") if raw or not tok.is_special(token_id) else tok.decode([token_id])
     # -inf (a token that cannot be drawn) as OpenAI shows it; JSON has no infinities
-    return TokenLogprob(text, tuple(raw), logprob if math.isfinite(logprob) else -9999.0)
+    return ShownToken(text, tuple(raw), logprob if logprob is None or math.isfinite(logprob) else -9999.0)
 
 
-def with_logprobs(tok: ChatTokenizer, ev: TokenEvent) -> TokenEvent:
-    """`ev` with its logprobs as clients see them (token texts and bytes), when it carries any."""
-    if ev.logprob is None:
-        return ev
-    entry = Logprobs(token_logprob(tok, ev.token, ev.logprob),
-                     tuple(token_logprob(tok, t, lp) for t, lp in ev.top_logprobs))
-    return msgspec.structs.replace(ev, logprobs=entry)
+def with_logprobs(tok: ChatTokenizer, ev: TokenEvent, bos_added: bool = False) -> TokenEvent:
+    """`ev` with its logprobs and its prompt's as clients see them (token texts and bytes), when it carries any.
+    `bos_added`: the prompt's <|bos|> was put there by this deployment, so it is not the client's: its entry
+    goes, and the client's first token, like any prompt's first, shows no logprob."""
+    update = {}
+    if ev.logprob is not None:
+        update["logprobs"] = ShownLogprobs(shown_token(tok, ev.token, ev.logprob),
+                                           tuple(shown_token(tok, t, lp) for t, lp in ev.top_logprobs))
+    if ev.prompt_logprobs is not None:
+        entries = ev.prompt_logprobs[1:] if bos_added else ev.prompt_logprobs
+        update["prompt_entries"] = tuple(
+            ShownLogprobs(shown_token(tok, t, lp if i else None), tuple(shown_token(tok, a, v) for a, v in top or ())
+                          if i else ()) for i, (t, lp, top) in enumerate(entries))
+    return msgspec.structs.replace(ev, **update) if update else ev
 
 
 async def merged(streams: list, n: int) -> AsyncIterator[list[TokenEvent]]:
@@ -202,26 +209,27 @@ class ChatModel:
         if not self.engine.alive():
             raise RuntimeError("the chat engine has stopped")
 
-    def _prompt_ids(self, request: GenerateRequest) -> list[list[int]]:
+    def _prompt_ids(self, request: GenerateRequest) -> tuple[list[list[int]], list[bool]]:
         """The chat template over `messages`, or the raw `prompts` of a completion (text or token ids), each
-        after <|bos|> as the model was trained."""
+        after <|bos|> as the model was trained; -> (the prompts' ids, whether each got its <|bos|> here)."""
         max_tokens = request.params.max_tokens
         if request.messages is not None:
-            return [self.prompter.render(list(request.messages), max_tokens).ids]
-        out = []
+            return [self.prompter.render(list(request.messages), max_tokens).ids], [False]
+        out, added = [], []
         for i, p in enumerate(request.prompts):
             ids = self.tok.encode(p) if isinstance(p, str) else list(p)
-            ids = ids if ids[:1] == [self.tok.bos_id] else [self.tok.bos_id] + ids
+            added.append(ids[:1] != [self.tok.bos_id])
+            ids = [self.tok.bos_id] + ids if added[-1] else ids
             if len(ids) + max_tokens > self.sequence_len:
                 raise PromptError(f"prompt {i} has {len(ids)} tokens; with max_tokens {max_tokens} it does "
                                   f"not fit the model's context of {self.sequence_len}", "prompt")
             out.append(ids)
-        return out
+        return out, added
 
-    async def _open(self, request: GenerateRequest, streams: list) -> tuple[AsyncIterator, list[TokenEvent]]:
-        """One engine stream per prompt (into `streams`), merged; -> (the stream, its first batch). Raises what
-        the prompter or the engine refuses."""
-        prompts = self._prompt_ids(request)
+    async def _open(self, request: GenerateRequest, streams: list) -> tuple[AsyncIterator, list[TokenEvent], list]:
+        """One engine stream per prompt (into `streams`), merged; -> (the stream, its first batch, whether each
+        prompt got its <|bos|> here). Raises what the prompter or the engine refuses."""
+        prompts, bos_added = self._prompt_ids(request)
         if request.resume and len(prompts) != 1:
             raise EngineError("only a request of one prompt can continue an earlier generation")
         for ids in prompts:
@@ -229,7 +237,7 @@ class ChatModel:
         stream = streams[0] if len(streams) == 1 else merged(streams, request.params.n)
         first = await stream.__anext__()
         self.metrics.prompted.inc(sum(len(ids) for ids in prompts))
-        return stream, first
+        return stream, first, bos_added
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[list]:
         """Lists of TokenEvents (with logprobs as clients see them), every event ready at that moment in one list
@@ -239,18 +247,21 @@ class ChatModel:
         arrival = time.monotonic()
         streams: list = []
         try:
-            stream, first = await self._open(request, streams)
+            stream, first, bos_added = await self._open(request, streams)
         except REFUSED as e:
             await close_all(streams)
             yield [refusal(e)]
             return
         last: dict[int, float] = {}
+        p = request.params
+        shows_logprobs = p.logprobs is not None or p.prompt_logprobs is not None
 
         async def batches():
             batch = first
             while True:
                 self.metrics.tokens(batch, arrival, last)
-                yield [with_logprobs(self.tok, ev) for ev in batch] if request.params.logprobs is not None else batch
+                yield [with_logprobs(self.tok, ev, bos_added[ev.index // p.n]) for ev in batch] if shows_logprobs \
+                    else batch
                 try:
                     batch = await stream.__anext__()
                 except StopAsyncIteration:

@@ -4,13 +4,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from itertools import accumulate
 from typing import Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from core.chat.protocol import (MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP, MAX_TEMPERATURE,
-                                MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, Logprobs, SamplingDefaults, SamplingParams,
-                                TokenEvent, TokenLogprob)
+                                MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, SamplingDefaults, SamplingParams, ShownLogprobs,
+                                ShownToken, TokenEvent)
 
 
 class ContentPart(BaseModel):
@@ -149,14 +151,14 @@ class TextCompletionRequest(SamplingFields):
     """OpenAI's legacy completions: a raw prompt, no chat template."""
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
-    max_tokens: int = Field(default=16, ge=1)
+    max_tokens: int = Field(default=16, ge=0)      # 0 only with echo: the prompt scored, nothing generated
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
 
     @model_validator(mode="after")
     def _checks(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported: prompt tokens get no log-probabilities here")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: send echo true to score the prompt")
         if any(isinstance(x, list) and not x for x in self.prompt):
             raise ValueError("a token-id prompt must not be empty")
         if any(isinstance(x, int) and x < 0 for x in self.prompt) or any(
@@ -170,14 +172,17 @@ class TextCompletionRequest(SamplingFields):
         return [p] if isinstance(p, str) or all(isinstance(x, int) for x in p) else list(p)
 
     def to_params(self, defaults: SamplingDefaults) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs, defaults)
+        params = self._params(self.max_tokens, self.logprobs, defaults)
+        if self.echo and (self.logprobs is not None or self.max_tokens == 0):   # the prompt's logprobs, echoed
+            params = msgspec.structs.replace(params, prompt_logprobs=self.logprobs or 0, max_tokens=self.max_tokens)
+        return params
 
 
-def _token_entry(t: TokenLogprob) -> dict:
+def _token_entry(t: ShownToken) -> dict:
     return {"token": t.token, "bytes": list(t.bytes), "logprob": t.logprob}
 
 
-def logprob_entry(lp: Logprobs) -> dict:
+def logprob_entry(lp: ShownLogprobs) -> dict:
     """A sampled token's logprobs in OpenAI's chat shape."""
     return _token_entry(lp.chosen) | {"top_logprobs": [_token_entry(t) for t in lp.top]}
 
@@ -307,16 +312,37 @@ class TextCompletion(Completion):
         super().__init__(model, n, prompts, logprobs)
         self.echo = echo
         self.offsets: list[list[int]] = [[] for _ in self.text]      # text offset of each logprob entry
+        # with echo and logprobs, each prompt's tokens are scored too: the echo waits for them (they ride on
+        # its chunk) and they lead each choice's logprobs
+        self.scored = bool(echo) and logprobs
+        self.prompt_legacy: list[dict | None] = [None] * prompts
 
     def _record_logprob(self, i: int, entry: dict) -> None:
         super()._record_logprob(i, entry)
-        self.offsets[i].append(len(self.text[i]))
+        self.offsets[i].append(len(self.echo[i // self.n]) + len(self.text[i]) if self.echo else len(self.text[i]))
 
     def _legacy(self, i: int, entries: list[dict]) -> dict:
         offsets = self.offsets[i][len(self.offsets[i]) - len(entries):]
         return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
                 "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
                 "text_offset": offsets}
+
+    @staticmethod
+    def _prompt_legacy(entries) -> dict:
+        """A prompt's scored tokens in the legacy shape: the first has no logprob and no alternatives (null)."""
+        offsets = list(accumulate((len(e.chosen.token) for e in entries[:-1]), initial=0)) if entries else []
+        return {"tokens": [e.chosen.token for e in entries], "token_logprobs": [e.chosen.logprob for e in entries],
+                "top_logprobs": [{t.token: t.logprob for t in e.top} if e.chosen.logprob is not None else None
+                                 for e in entries], "text_offset": offsets}
+
+    def feed(self, ev: TokenEvent) -> list[dict]:
+        chunks = []
+        if self.scored and ev.prompt_entries is not None:
+            p = ev.index // self.n
+            self.prompt_legacy[p] = legacy = self._prompt_legacy(ev.prompt_entries)
+            chunks = [self._chunk([{"index": i, "text": self.echo[p], "logprobs": legacy, "finish_reason": None}])
+                      for i in range(p * self.n, (p + 1) * self.n)]
+        return chunks + super().feed(ev)
 
     def _choice_chunk(self, i: int, content: str | None = None, parts: list | None = None,
                       finish: str | None = None) -> dict:
@@ -329,7 +355,7 @@ class TextCompletion(Completion):
         return self._chunk([choice])
 
     def first_chunks(self) -> list[dict]:
-        if not self.echo:
+        if not self.echo or self.scored:
             return []
         return [self._chunk([{"index": i, "text": self.echo[i // self.n], "logprobs": None, "finish_reason": None}])
                 for i in range(len(self.text))]
@@ -337,9 +363,11 @@ class TextCompletion(Completion):
     def response(self) -> dict:
         choices = []
         for i, text in enumerate(self.text):
+            logprobs = self._legacy(i, self.logprobs[i]) if self.want_logprobs else None
+            if logprobs is not None and self.prompt_legacy[i // self.n] is not None:
+                logprobs = {k: v + logprobs[k] for k, v in self.prompt_legacy[i // self.n].items()}
             choice = {"index": i, "text": (self.echo[i // self.n] if self.echo else "") + text,
-                      "logprobs": self._legacy(i, self.logprobs[i]) if self.want_logprobs else None,
-                      "finish_reason": self.finish[i] or "stop"}
+                      "logprobs": logprobs, "finish_reason": self.finish[i] or "stop"}
             if any(p["type"] != "text" for p in self.parts[i]):
                 choice["parts"] = self.parts[i]
             choices.append(choice)
@@ -405,8 +433,8 @@ class ChatCompletionResponse(BaseModel):
 
 class LegacyLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]          # with echo, the prompt's first token has none
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from core.chat import (ChatPrompter, CheckpointError, PromptError, PromptTooLong, load_chat_defaults,
-                       load_chat_model, save_chat_model)
+                       load_chat_model, load_chat_tokenizer, save_chat_model)
 from core.chat.calculator import use_calculator
 from core.chat.convert import main as convert_main
 from tests.conftest import tiny_model
@@ -148,3 +148,24 @@ def test_convert_orig_mod_state_dict(tmp_path, tokenizer):
     with torch.no_grad():
         assert torch.equal(loaded(ids), model(ids))
     assert not any(name.endswith(".pkl") for name in os.listdir(dst))
+
+
+def test_checkpoints_carry_a_hugging_face_tokenizer_with_the_same_ids(tmp_path, tokenizer, nanochat_model):
+    """save_chat_model writes tokenizer.json beside tokenizer.tiktoken: AutoTokenizer loads the checkpoint
+    directory and encodes ordinary text (unicode, digits, newlines) to the same ids, special tokens included by
+    id; the committed demo model carries one too."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import corpus
+
+    save_chat_model(str(tmp_path), nanochat_model, tokenizer)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for path, ours in ((str(tmp_path), tokenizer),
+                       (os.path.join(root, "models", "demo-chat"), load_chat_tokenizer(os.path.join(
+                           root, "models", "demo-chat"))[0])):
+        hf = AutoTokenizer.from_pretrained(path)
+        texts = list(corpus(200, seed=5)) + ["  two  spaces\n\nand lines 12345 日本語 😀 naïve"]
+        assert all(hf.encode(t, add_special_tokens=False) == ours.encode(t) for t in texts)
+        assert {name: hf.convert_tokens_to_ids(name) for name in ours.special_tokens} == ours.special_tokens
+        assert hf.bos_token_id == ours.bos_id and hf.decode(ours.encode(texts[0])) == texts[0]
+    assert AutoTokenizer.from_pretrained(str(tmp_path)).model_max_length == nanochat_model.config.sequence_len

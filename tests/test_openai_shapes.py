@@ -2,7 +2,7 @@
 from core.chat import ChatPrompter
 import pytest
 
-from core.chat.protocol import Logprobs, TokenEvent, TokenLogprob
+from core.chat.protocol import SamplingDefaults, ShownLogprobs, ShownToken, TokenEvent
 from deployments.openai_api import ChatCompletionRequest, Completion, TextCompletion, TextCompletionRequest, unsupported
 
 
@@ -10,8 +10,8 @@ def ev(text, segment="text", token=1, finish=None, closes=False, forced=False, c
        prompt=10, cached=0):
     entry = None
     if lp is not None:
-        shown = TokenLogprob(text, tuple(text.encode()), lp)
-        entry = Logprobs(shown, (shown,))
+        shown = ShownToken(text, tuple(text.encode()), lp)
+        entry = ShownLogprobs(shown, (shown,))
     return TokenEvent("r", index, token, text, segment, forced, closes, finish, prompt, completion, cached,
                       logprobs=entry)
 
@@ -77,7 +77,7 @@ def test_text_completion_shapes_prompts_and_cached_tokens():
     assert resp["object"] == "text_completion" and [ch["text"] for ch in resp["choices"]] == ["p0 a", "p0 ", "p1 ",
                                                                                                 "p1 b"]
     assert resp["choices"][0]["logprobs"] == {"tokens": ["a"], "token_logprobs": [-1.0],
-                                              "top_logprobs": [{"a": -1.0}], "text_offset": [0]}
+                                              "top_logprobs": [{"a": -1.0}], "text_offset": [3]}   # after the echo
     assert resp["usage"]["prompt_tokens"] == 10 and resp["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
 
 
@@ -98,6 +98,39 @@ def test_completion_prompt_forms():
     assert TextCompletionRequest.model_validate({"prompt": [1, 2, 3]}).prompts() == [[1, 2, 3]]
     assert TextCompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts() == ["a", "b"]
     assert TextCompletionRequest.model_validate({"prompt": [[1], [2, 3]]}).prompts() == [[1], [2, 3]]
-    for bad in ({"prompt": []}, {"prompt": [[]]}, {"prompt": "x", "echo": True, "logprobs": 1}, {"prompt": [-1]}):
+    for bad in ({"prompt": []}, {"prompt": [[]]}, {"prompt": "x", "max_tokens": 0}, {"prompt": [-1]}):
         with pytest.raises(ValueError):
             TextCompletionRequest.model_validate(bad)
+
+
+def shown(token, lp, top=()):
+    return ShownLogprobs(ShownToken(token, tuple(token.encode()), lp), tuple(ShownToken(t, (), v) for t, v in top))
+
+
+def test_echo_with_logprobs_scores_the_prompt_first():
+    """The prompt's entries (the first without a logprob) lead each choice's legacy logprobs; offsets run through
+    the echoed text, then the completion; streamed, the echo chunk waits for them and carries them."""
+    entries = (shown("The", None), shown(" cat", -2.0, [(" cat", -2.0), (" dog", -2.5)]), shown(" sat", -1.0))
+    for streamed in (False, True):
+        c = TextCompletion("m", 2, prompts=1, logprobs=True, echo=["The cat sat"])
+        chunks = c.first_chunks()
+        assert chunks == []
+        first = TokenEvent("r", 0, 7, " on", prompt_tokens=4, completion_tokens=1,
+                           logprobs=shown(" on", -0.5, [(" on", -0.5)]), prompt_entries=entries)
+        for e in [first, ev(" a", index=1, lp=-0.7), ev("", token=None, finish="length", index=0, completion=1),
+                  ev("", token=None, finish="length", index=1, completion=1)]:
+            chunks += c.feed(e)
+        echo = [ch["choices"][0] for ch in chunks[:2]]
+        assert [(x["index"], x["text"]) for x in echo] == [(0, "The cat sat"), (1, "The cat sat")]
+        assert echo[0]["logprobs"]["token_logprobs"] == [None, -2.0, -1.0]
+        assert echo[0]["logprobs"]["top_logprobs"] == [None, {" cat": -2.0, " dog": -2.5}, {}]
+        assert echo[0]["logprobs"]["text_offset"] == [0, 3, 7]
+        choice = c.response()["choices"][0]
+        assert choice["text"] == "The cat sat on"
+        assert choice["logprobs"]["tokens"] == ["The", " cat", " sat", " on"]
+        assert choice["logprobs"]["token_logprobs"] == [None, -2.0, -1.0, -0.5]
+        assert choice["logprobs"]["text_offset"] == [0, 3, 7, 11]
+    scored = TextCompletionRequest.model_validate({"prompt": [1, 2], "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert scored.to_params(SamplingDefaults()).prompt_logprobs == 1 and scored.to_params(SamplingDefaults()).max_tokens == 0
+    assert TextCompletionRequest.model_validate({"prompt": "x", "logprobs": 2}).to_params(
+        SamplingDefaults()).prompt_logprobs is None                              # no echo: the prompt is not scored

@@ -20,7 +20,7 @@ from core.chat.outputs import OutputProcessor, RequestView
 from deployments.openai_api import ChatCompletionRequest, TextCompletionRequest
 
 EVENT = P.TokenEvent("r1", 0, 17, "hi", "text", False, False, None, 12, 3, 4, -0.5, [(17, -0.5), (3, -1.5)],
-                     P.Logprobs(P.TokenLogprob("hi", (104, 105), -0.5), (P.TokenLogprob("hi", (104, 105), -0.5),)))
+                     P.ShownLogprobs(P.ShownToken("hi", (104, 105), -0.5), (P.ShownToken("hi", (104, 105), -0.5),)))
 PARAMS = P.SamplingParams(max_tokens=9, temperature=0.7, top_k=5, top_p=0.9, seed=3, n=2, stop=("x",),
                           presence_penalty=0.5, logit_bias={3: 1.5}, logprobs=2)
 MESSAGES = [

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 import pytest
 import torch
 
-from core.chat import save_chat_model
+from core.chat import load_chat_model, save_chat_model
 from tests.conftest import tiny_model
 from tests.decision_fixtures import build_checkpoint
 from tests.systemone_requests import REQUESTS, check_answers
@@ -22,6 +22,7 @@ from tests.systemone_requests import REQUESTS, check_answers
 pytestmark = pytest.mark.serve
 
 MAX_ROWS = 8
+CHECKPOINTS: dict[str, str] = {}        # the service fixture's checkpoints, for references
 
 
 def free_port() -> int:
@@ -42,6 +43,7 @@ def service(tmp_path_factory, tokenizer):
     with torch.no_grad():   # never end on its own: streams run as long as max_tokens says
         model.lm_head.weight[min(tokenizer.special_tokens.values()):] = 0.0
     save_chat_model(str(root / "chat"), model, tokenizer)
+    CHECKPOINTS["chat"] = str(root / "chat")
     build_checkpoint(str(root / "decision"))
     port = free_port()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
@@ -800,3 +802,84 @@ def test_responses_follow_openais_published_schema(service):
         for event in events[:-1]:
             check(text_chunk_schema, event)
     assert checked > 40
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_an_uncached_forward(service):
+    """/v1/completions with echo and logprobs (lm-eval's multiple-choice request, and max_tokens 0): the prompt's
+    tokens as sent (not the <|bos|> put before them), their logprobs against one uncached forward of the model,
+    the first null; the second choice of a question reuses the context from the prefix cache."""
+    model, tok, _ = load_chat_model(CHECKPOINTS["chat"], "cpu")
+    context, choices = list(range(40, 90)), ([7, 8, 9], [10, 11])
+    for i, cont in enumerate(choices):
+        ids = context + cont
+        body = {"prompt": ids, "max_tokens": 1 if i == 0 else 0, "echo": True, "logprobs": 2, "temperature": 0}
+        r = httpx.post(f"{service}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        lp = out["choices"][0]["logprobs"]
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([[tok.bos_id] + ids]))[0].float(), -1)
+        want = [None] + [ref[p, ids[p]].item() for p in range(1, len(ids))]    # position p + 1 after the <|bos|>
+        got = lp["token_logprobs"][:len(ids)]
+        assert got[0] is None and lp["top_logprobs"][0] is None
+        assert all(abs(a - b) < 1e-4 for a, b in zip(got[1:], want[1:])), (got, want)
+        assert len(lp["tokens"]) == len(ids) + (1 if i == 0 else 0)
+        assert out["usage"]["completion_tokens"] == (1 if i == 0 else 0)
+        if i:
+            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(context)
+
+
+LM_EVAL_TASK = """task: startlux_pick
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+LM_EVAL_DOCS = [
+    {"question": "what is the capital of france?", "choices": [" paris", " a small city", " the river"], "answer": 0},
+    {"question": "the cat sat on", "choices": [" a mat", " the red mountain", " blue"], "answer": 0},
+    {"question": "how are you", "choices": [" hello", " small", " large country"], "answer": 1},
+]
+
+
+def test_lm_eval_multiple_choice_through_the_service(service, tmp_path, monkeypatch):
+    """lm-evaluation-harness's own `local-completions` model runs a multiple-choice task of ours against the live
+    service, with the tokenizer it loads from the checkpoint's tokenizer.json: every choice's summed continuation
+    log-probability equals one uncached forward of the model over <|bos|> + context + continuation, to 1e-4."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in LM_EVAL_DOCS))
+    (tmp_path / "task.yaml").write_text(LM_EVAL_TASK.format(data=data))
+    checkpoint = CHECKPOINTS["chat"]
+    results = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["startlux_pick"], task_manager=TaskManager(include_path=str(tmp_path)),
+        model_args=f"model=chat,base_url={service}/v1/completions,tokenizer_backend=huggingface,"
+                   f"tokenizer={checkpoint},num_concurrent=1,max_retries=1,tokenized_requests=True",
+        log_samples=True)
+    model, tok, _ = load_chat_model(checkpoint, "cpu")
+    samples = results["samples"]["startlux_pick"]
+    assert len(samples) == len(LM_EVAL_DOCS)
+    compared = 0
+    for sample in samples:
+        for (context, continuation), resp in zip(sample["arguments"], sample["resps"]):
+            (got, _greedy), = resp                                   # each choice: [(loglikelihood, is_greedy)]
+            ctx, cont = tok.encode(context), tok.encode(continuation)
+            ids = [tok.bos_id] + ctx + cont
+            with torch.no_grad():
+                lp = torch.log_softmax(model(torch.tensor([ids]))[0].float(), -1)
+            want = sum(lp[len(ctx) + j, t].item() for j, t in enumerate(cont))
+            assert abs(got - want) < 1e-4, (context, continuation, got, want)
+            compared += 1
+    assert compared == sum(len(d["choices"]) for d in LM_EVAL_DOCS)
+    assert "acc,none" in results["results"]["startlux_pick"]

@@ -3,7 +3,8 @@
     config.json              ChatModelConfig: architecture and sizes
     model.safetensors        weights (the tied GPT-2 head is stored once, as the embedding)
     tokenizer.tiktoken       BPE ranks, tiktoken's format
-    tokenizer_config.json    split pattern and special tokens
+    tokenizer_config.json    split pattern and special tokens (and the keys Hugging Face tools read)
+    tokenizer.json           the same tokenizer for Hugging Face tools (hf_tokenizer.py)
     chat.json                optional: few-shot priming turns and default sampling values
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import ChatDefaults, ChatModelConfig, CheckpointError, read_json, write_json
+from .hf_tokenizer import write_hf_tokenizer
 from .model import ChatNetwork, build_model
 from .tokenizer import ChatTokenizer
 
@@ -38,6 +40,7 @@ def save_chat_model(path: str, model: ChatNetwork, tokenizer: ChatTokenizer, def
     save_file(state, os.path.join(path, "model.safetensors"))
     write_json(os.path.join(path, "config.json"), model.config.to_dict())
     tokenizer.save(path)
+    write_hf_tokenizer(path, tokenizer, model.config.sequence_len)
     if defaults is not None:
         write_json(os.path.join(path, "chat.json"), defaults.to_dict())
 

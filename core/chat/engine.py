@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import logging
 
+import msgspec
 import torch
 
 from .cuda_graphs import DecodeGraphs, GraphCaptureError
@@ -90,6 +91,8 @@ class LLMEngine:
         max_new = min(params.max_tokens, self.sequence_len - len(prompt))
         if resume:
             self._check_resume(resume, params, max_new)
+            if params.prompt_logprobs is not None:       # the run it continues delivered them
+                params = msgspec.structs.replace(params, prompt_logprobs=None)
         rid = request_id or f"req-{next(_ids)}"
         samples = [Sample(row_rng(params.seed, i), self.outputs.new_sample(i)) for i in range(params.n)]
         self.scheduler.add(Request(rid, list(prompt), params, max_new, samples, list(resume or [])))
@@ -194,7 +197,14 @@ class LLMEngine:
         # overwritten before the row ever reaches it.
         cb = CacheBatch.build(self.cache, rows, start, T)
         last = torch.tensor([take - 1 for _, take in batch], device=self.device)
-        logits = self.model(ids.to(self.device), cb, last=last)
+        if any(req.prompt_entries is not None for req, _ in batch):
+            hidden = self.model.hidden(ids.to(self.device), cb)
+            for j, (req, take) in enumerate(batch):
+                if req.prompt_entries is not None:
+                    self._score_prompt(req, hidden[j, :take])
+            logits = self.model.logits(hidden[torch.arange(len(batch), device=self.device), last])
+        else:
+            logits = self.model(ids.to(self.device), cb, last=last)
         finished = []
         for j, (req, take) in enumerate(batch):
             req.prefilled += take
@@ -207,12 +217,41 @@ class LLMEngine:
         for j, req in finished:
             fed = len(req.feed)
             self.cache.copy_rows(req.samples[0].row, [s.row for s in req.samples[1:]], fed)
+            scored = self.scheduler.scored(req) if req.prompt_entries is not None else None
+            self.scheduler.prefilled(req)
+            if req.max_new == 0:                    # the prompt is scored; nothing is generated
+                for s in req.samples:
+                    s.position = fed
+                    finish = self.outputs.finish(req, s.output, "length")
+                    if s is req.samples[0] and scored is not None:
+                        finish = msgspec.structs.replace(finish, prompt_logprobs=scored)
+                    events.append(finish)
+                continue
+            req.scored = scored
             for s in req.samples:
                 s.position = fed
                 rows_logits.append(j)
                 targets.append((req, s))
-            self.scheduler.prefilled(req)
-        self._sample_and_accept(logits[torch.tensor(rows_logits, device=self.device)], targets, events)
+        if targets:
+            self._sample_and_accept(logits[torch.tensor(rows_logits, device=self.device)], targets, events)
+
+    def _score_prompt(self, req: Request, hidden: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens this prefill chunk predicts (the model's own: before bias,
+        penalties and temperature), with the most probable tokens at each place, added to req.prompt_entries."""
+        start = req.prefilled
+        n = min(len(hidden), len(req.prompt) - 1 - start)     # positions whose next token is a prompt token
+        if n <= 0:
+            return
+        lp = torch.log_softmax(self.model.logits(hidden[:n]).float(), dim=-1)
+        targets = torch.tensor(req.prompt[start + 1:start + 1 + n], device=lp.device)
+        chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+        k = req.params.prompt_logprobs
+        if k:
+            vals, idx = lp.topk(k, dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+        else:
+            tops = [[] for _ in range(n)]
+        req.prompt_entries += [(t, c, top) for t, c, top in zip(req.prompt[start + 1:start + 1 + n], chosen, tops)]
 
     def _decode(self, decoding: list[tuple[Request, Sample]], events: list[TokenEvent]) -> None:
         rows, positions = [s.row for _, s in decoding], [s.position for _, s in decoding]
@@ -245,7 +284,10 @@ class LLMEngine:
             if req.params.processes_logits:
                 self._observed[0].append(s.row)
                 self._observed[1].append(tok)
-            events += self.outputs.accept(req, out, tok, forced, s.position, None if forced else lp)
+            scored = None
+            if req.scored is not None and s is req.samples[0]:
+                scored, req.scored = req.scored, None
+            events += self.outputs.accept(req, out, tok, forced, s.position, None if forced else lp, scored)
         rows, toks = self._observed
         if rows:
             self.logits.observe(rows, toks)

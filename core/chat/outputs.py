@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from .calculator import format_result, use_calculator
 from .protocol import SamplingParams, TokenEvent
 from .tokenizer import ChatTokenizer, StreamDecoder
@@ -55,9 +57,17 @@ class OutputProcessor:
         return SampleOutput(index, self.tok.stream_decoder())
 
     def accept(self, req: RequestView, s: SampleOutput, tok: int, forced: bool, position: int,
-               lp=None) -> list[TokenEvent]:
+               lp=None, prompt_logprobs=None) -> list[TokenEvent]:
         """Token `tok` of sample `s`, whose row holds `position` tokens -> its events (a token, and a finish when
-        it ends the sample). `lp`: its LogprobResult, when the request asked for logprobs."""
+        it ends the sample). `lp`: its LogprobResult, when the request asked for logprobs; `prompt_logprobs`: the
+        prompt's, which ride on the first event."""
+        events = self._accept(req, s, tok, forced, position, lp)
+        if prompt_logprobs is not None:
+            events[0] = msgspec.structs.replace(events[0], prompt_logprobs=prompt_logprobs)
+        return events
+
+    def _accept(self, req: RequestView, s: SampleOutput, tok: int, forced: bool, position: int,
+                lp=None) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         s.generated.append(tok)
         text, segment, closes = "", s.segment, False
@@ -108,7 +118,7 @@ class OutputProcessor:
                 s.forced.popleft()
             else:
                 s.forced.clear()
-            events = self.accept(req, s, tok, forced, 0)
+            events = self._accept(req, s, tok, forced, 0)
             if s.finish_reason:
                 return events[-1]
         return None

@@ -79,6 +79,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
                                       # multiplied (< 0) by it
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
     logprobs: int | None = None       # None: none; k: each sampled token's logprob and the k most probable
+    prompt_logprobs: int | None = None   # None: none; k: each prompt token's logprob (the model's, before any
+                                         # bias or penalty) and the k most probable at its place; max_tokens may
+                                         # then be 0 (score the prompt only)
 
     @property
     def processes_logits(self) -> bool:
@@ -89,8 +92,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         if not isinstance(self.stop, tuple):
             msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
-        if self.max_tokens < 1:
-            raise SamplingError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise SamplingError(f"max_tokens must be at least 1 (0 only to score the prompt), got {self.max_tokens}",
+                                "max_tokens")
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise SamplingError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}",
                                 "temperature")
@@ -121,6 +125,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise SamplingError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
                                 "top_logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
+                                "logprobs")
 
 
 class SamplingDefaults(msgspec.Struct, frozen=True):
@@ -152,19 +159,20 @@ class GenerateRequest(msgspec.Struct, frozen=True):
 
 
 # ---- what comes back
-class TokenLogprob(msgspec.Struct, frozen=True):
-    """A token as OpenAI's logprobs show it: its text, its UTF-8 bytes, its log-probability."""
+class ShownToken(msgspec.Struct, frozen=True):
+    """A token as OpenAI's logprobs show it: its text, its UTF-8 bytes, its log-probability (None only for a
+    prompt's first token, which nothing predicts)."""
 
     token: str
     bytes: tuple[int, ...]
-    logprob: float
+    logprob: float | None
 
 
-class Logprobs(msgspec.Struct, frozen=True):
+class ShownLogprobs(msgspec.Struct, frozen=True):
     """A sampled token's entry: the token itself and the most probable tokens at its position."""
 
-    chosen: TokenLogprob
-    top: tuple[TokenLogprob, ...]
+    chosen: ShownToken
+    top: tuple[ShownToken, ...]
 
 
 Segment = Literal["text", "python", "python_output"]
@@ -187,7 +195,11 @@ class TokenEvent(msgspec.Struct, frozen=True):
     cached_tokens: int = 0          # prompt tokens whose keys and values were reused, not computed
     logprob: float | None = None    # of a sampled token, when the request asked for logprobs
     top_logprobs: list[tuple[int, float]] | None = None   # (token id, logprob), most probable first
-    logprobs: Logprobs | None = None   # the same as clients see it (set by the chat deployment)
+    logprobs: ShownLogprobs | None = None   # the same as clients see it (set by the chat deployment)
+    # with prompt_logprobs, on the first event of a prompt's first sample: per prompt position (token id, its
+    # logprob, the most probable (token id, logprob)); the first position's logprob and list are None
+    prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] | None = None
+    prompt_entries: tuple[ShownLogprobs, ...] | None = None   # the same as clients see them (the chat deployment's)
 
     @property
     def shows_output(self) -> bool:

@@ -47,6 +47,8 @@ class Request:
     resume: list[int] = field(default_factory=list)   # tokens already generated, continued from (n == 1)
     prefilled: int = 0              # tokens of `feed` in the first sample's row
     cached_tokens: int = 0          # prompt tokens reused from the prefix cache, not computed
+    prompt_entries: list | None = None   # with prompt_logprobs: the prompt's entries so far (prompt_memo's form)
+    scored: list | None = None      # the finished entries, until the first sample's first event carries them
 
     @property
     def prompt_tokens(self) -> int:
@@ -79,6 +81,11 @@ class Admitted:
 
 
 class Scheduler:
+    """`prompt_memo` keeps, per KV-cache row, the prompt logprobs computed when a request that asked for them
+    prefilled it: (how many alternatives, [(token, logprob, top) per position]). A later request that asks
+    for them may reuse that row's prefix only as far as the memo covers it, and then one position less, so the
+    logits that score its first new token are computed (they are not kept)."""
+
     def __init__(self, config: EngineConfig):
         self.max_rows, self.max_waiting = config.max_rows, config.max_waiting
         self.prefill_chunk = max(1, config.prefill_chunk)
@@ -91,6 +98,7 @@ class Scheduler:
         self._inbox: deque[Request] = deque()
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
+        self.prompt_memo: dict[int, tuple[int, list]] = {}
 
     # ---- from any thread
     def add(self, req: Request) -> None:
@@ -144,20 +152,43 @@ class Scheduler:
             req = self.waiting.popleft()
             feed = req.feed
             m = self.pool.match(feed, limit=len(feed) - 1)
+            length = m.length
+            if req.params.prompt_logprobs is not None:
+                length = self._scored_reuse(req, m.row, length)
+                self.pool.hit_tokens -= m.length - length
             first = req.samples[0]
             copy = None
-            if m.length and m.free:
+            if length and m.free:
                 self.pool.take(m.row)
                 first.row = m.row
             else:
                 first.row = self.pool.allocate()
-                if m.length:
-                    copy = (m.row, m.length)
+                if length:
+                    copy = (m.row, length)
             for s in req.samples[1:]:
                 s.row = self.pool.allocate()
-            req.prefilled, req.cached_tokens = m.length, min(m.length, len(req.prompt))
+            for s in req.samples:                   # what these rows held is being overwritten
+                self.prompt_memo.pop(s.row, None)
+            req.prefilled, req.cached_tokens = length, min(length, len(req.prompt))
             out.append(Admitted(req, copy))
         return out
+
+    def _scored_reuse(self, req: Request, row: int, length: int) -> int:
+        """How much of `row`'s matched prefix a request that asks for prompt logprobs may reuse (it takes the
+        memo's entries for those positions)."""
+        memo = self.prompt_memo.get(row) if length else None
+        if memo is None or memo[0] < req.params.prompt_logprobs or len(memo[1]) < length:
+            req.prompt_entries = [(req.prompt[0], None, None)]
+            return 0
+        reuse = length - 1
+        req.prompt_entries = list(memo[1][:reuse + 1])
+        return reuse
+
+    def scored(self, req: Request) -> list:
+        """`req`'s prompt logprobs are complete: -> them, and the first row remembers them for later prompts."""
+        entries, req.prompt_entries = req.prompt_entries, None
+        self.prompt_memo[req.samples[0].row] = (req.params.prompt_logprobs, entries)
+        return entries
 
     def start_prefill(self, req: Request) -> None:
         self.prefilling.append(req)

@@ -393,7 +393,7 @@ def test_text_completions(service):
     ({"prompt": [[99999]]}, 400, "vocabulary"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "the cat " * 200, "max_tokens": 8000}, 400, "max_tokens"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ({"prompt": "x", "max_tokens": 0, "logprobs": 1}, 400, "echo"),      # scoring without echo shows nothing
     ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"prompt": "x", "model": "nope"}, 404, "unknown model"),
     ({"prompt": ["a"] * 5, "n": 2}, 400, "prompts x n"),
@@ -760,12 +760,24 @@ def openai_validator(name, patch=None):
     return jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": components})
 
 
+def _or_null(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _echoed_prompt_scores(schemas):
+    """The document types a legacy choice's token_logprobs and top_logprobs items as never null; with echo, the
+    API itself (and vLLM) sends null for the prompt's first token, which nothing predicts, and so do we."""
+    lp = schemas["CreateCompletionResponse"]["properties"]["choices"]["items"]["properties"]["logprobs"]["anyOf"][0]
+    for key in ("token_logprobs", "top_logprobs"):
+        lp["properties"][key]["items"] = _or_null(lp["properties"][key]["items"])
+
+
 def _streamed_legacy_choices(schemas):
     """The document describes streamed legacy completions with the response schema, whose finish_reason is never
     null; the API itself (and vLLM) sends null until a choice ends, and so do we."""
-    reason = schemas["CreateCompletionResponse"]["properties"]["choices"]["items"]["properties"]["finish_reason"]
-    schemas["CreateCompletionResponse"]["properties"]["choices"]["items"]["properties"]["finish_reason"] = {
-        "anyOf": [reason, {"type": "null"}]}
+    _echoed_prompt_scores(schemas)
+    choice = schemas["CreateCompletionResponse"]["properties"]["choices"]["items"]["properties"]
+    choice["finish_reason"] = _or_null(choice["finish_reason"])
 
 
 def test_responses_follow_openais_published_schema(service):
@@ -773,7 +785,7 @@ def test_responses_follow_openais_published_schema(service):
     of OpenAI's OpenAPI document (tests/openai_schema, MIT): plain, streamed, n > 1, logprobs, usage, echo."""
     chat_schema = openai_validator("CreateChatCompletionResponse")
     chunk_schema = openai_validator("CreateChatCompletionStreamResponse")
-    text_schema = openai_validator("CreateCompletionResponse")
+    text_schema = openai_validator("CreateCompletionResponse", _echoed_prompt_scores)
     text_chunk_schema = openai_validator("CreateCompletionResponse", _streamed_legacy_choices)
     checked = 0
 
@@ -793,7 +805,8 @@ def test_responses_follow_openais_published_schema(service):
         assert events[-1] == "[DONE]"
         for event in events[:-1]:
             check(chunk_schema, event)
-    for extra in ({}, {"logprobs": 2}, {"echo": True, "n": 2, "seed": 1}, {"prompt": [[5, 6], [7]]}):
+    for extra in ({}, {"logprobs": 2}, {"echo": True, "n": 2, "seed": 1}, {"prompt": [[5, 6], [7]]},
+                  {"echo": True, "logprobs": 1, "n": 2}, {"echo": True, "logprobs": 0, "max_tokens": 0}):
         body = {"prompt": "hello", "max_tokens": 5, **extra}
         check(text_schema, httpx.post(f"{service}/v1/completions", json=body, timeout=120).json())
         with httpx.stream("POST", f"{service}/v1/completions", json=dict(body, stream=True), timeout=120) as r:

@@ -96,12 +96,32 @@ class LocalCluster:
         self.wait_for_nodes(1)
         return node
 
-    def add_worker(self, num_cpus: int = 2) -> Node:
-        name = f"worker{sum(n.name.startswith('worker') for n in self.nodes) + 1}"
-        node = self._start(name, ["--address", self.address, "--num-cpus", str(num_cpus),
-                                  "--resources", json.dumps({"model_node": 1})])
-        self.wait_for_nodes(len(self.alive_nodes()))
-        return node
+    def add_worker(self, num_cpus: int = 2, attempts: int = 3, timeout: float = 120) -> Node:
+        """A worker node, once it has joined. `ray start` gives up after about 30 s when the GCS is too busy to
+        answer (a loaded 2-core host): a node that exits before joining is started again, as an autoscaler
+        launches another, up to `attempts` times."""
+        before = self._node_ids()
+        for attempt in range(1, attempts + 1):
+            name = f"worker{sum(n.name.startswith('worker') for n in self.nodes) + 1}"
+            node = self._start(name, ["--address", self.address, "--num-cpus", str(num_cpus),
+                                      "--resources", json.dumps({"model_node": 1})])
+            proc, deadline = _PROCS[node.pid], time.monotonic() + timeout
+            while time.monotonic() < deadline and proc.poll() is None:
+                if self._node_ids() - before:
+                    return node
+                time.sleep(1)
+            if proc.poll() is None:
+                raise TimeoutError(f"{name} did not join within {timeout:.0f} s; its log: {node.log}")
+            self.kill(node)                             # whatever of that node did start
+            print(f"{name} exited before joining (attempt {attempt} of {attempts}; its log: {node.log})",
+                  file=sys.stderr, flush=True)
+        raise RuntimeError(f"no worker joined in {attempts} attempts; logs in {self.temp_dir}")
+
+    def _node_ids(self) -> set[str]:
+        try:
+            return {n["raylet"]["nodeId"] for n in self.ray_nodes()}
+        except (httpx.HTTPError, KeyError, ValueError):     # the dashboard is not up yet, or busy
+            return set()
 
     def alive_nodes(self) -> list[Node]:
         out = []

@@ -245,8 +245,9 @@ def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_fact
         heavy, light, decisions, streams = asyncio.Event(), asyncio.Event(), [], []
         t0 = time.monotonic()
         # above both targets (2 ongoing requests per replica) for as long as scaling up takes
-        loads = [asyncio.create_task(decision_load(url, heavy, decisions)),
-                 asyncio.create_task(chat_load(url, heavy, streams, 6, 300, 200))]
+        # twice the targets, no more: on a busy 2-core host more load only slows the new replicas' start
+        loads = [asyncio.create_task(decision_load(url, heavy, decisions, 4)),
+                 asyncio.create_task(chat_load(url, heavy, streams, 4, 300, 200))]
         await asyncio.to_thread(wait_until, lambda: targets(c) == (2, 2), 240, "no scale-up under load")
         decided_up = time.monotonic() - t0
         await asyncio.to_thread(wait_until, lambda: serving(c, 2), 240, "the new replicas did not start")

@@ -174,9 +174,9 @@ class Ingress:
         info = await self._chat_model(req.model)
         self._check_messages(req, info)
         self._check_sampling(req, req.max_completion_tokens or req.max_tokens, info)
-        gen = GenerateRequest(self._params(req, info), messages=tuple(m.for_prompter() for m in req.messages))
-        return await self._generate(gen, Completion(info["id"], req.n, logprobs=req.logprobs), req, slot,
-                                    resumable=req.n == 1)
+        gen = GenerateRequest(self._params(req, info), messages=req.prompt_messages())
+        completion = Completion(info["id"], req.n, logprobs=req.logprobs, tools=req.tool_plan)
+        return await self._generate(gen, completion, req, slot, resumable=req.n == 1)
 
     async def _text_completion(self, request: Request, slot: Slot):
         req = await self._parse(request, TextCompletionRequest, openai=True)

@@ -4,12 +4,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from functools import cached_property
 from itertools import accumulate
 from typing import Literal
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from core.chat.grammars import GrammarError, ToolCallReader, ToolPlan, response_format_grammar, tool_plan, tools_text
 from core.chat.protocol import (MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP, MAX_TEMPERATURE,
                                 MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, SamplingDefaults, SamplingParams, ShownLogprobs,
                                 ShownToken, TokenEvent)
@@ -23,19 +25,65 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str = "{}"       # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     parts: list[ContentPart] | None = None     # our extension: an assistant reply with its calculator calls
+    tool_calls: list[ToolCall] | None = None   # an assistant turn's function calls
+    tool_call_id: str | None = None            # a tool message: the call it answers
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def for_prompter(self) -> dict:
         role = "system" if self.role == "developer" else self.role
         if self.parts is not None and role == "assistant":
-            return {"role": role, "content": [p.model_dump() for p in self.parts]}
-        if isinstance(self.content, list):
-            return {"role": role, "content": [p.model_dump() for p in self.content]}
-        return {"role": role, "content": self.content or ""}
+            out = {"role": role, "content": [p.model_dump() for p in self.parts]}
+        elif isinstance(self.content, list):
+            out = {"role": role, "content": [p.model_dump() for p in self.content]}
+        else:
+            out = {"role": role, "content": self.content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if role == "tool":
+            out["tool_call_id"] = self.tool_call_id
+            if self.name:
+                out["name"] = self.name
+        return out
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None      # a JSON schema of the arguments object; enforced by the grammar
+    strict: bool | None = None          # accepted: the arguments always follow `parameters` here
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class StreamOptions(BaseModel):
@@ -46,9 +94,8 @@ class StreamOptions(BaseModel):
 # Parameters of OpenAI's API that change what is generated and that this service does not implement: a request
 # that sends one gets a 400 naming it, never a reply that silently differs from what it asked for.
 UNSUPPORTED = {
-    "tools": "tool definitions (the calculator is the model's own built-in tool; its calls come in `parts`)",
-    "tool_choice": "tool choice", "functions": "function definitions", "function_call": "function calls",
-    "parallel_tool_calls": "tool calls", "audio": "audio output", "modalities": "output modalities",
+    "functions": "the deprecated function definitions: send `tools`",
+    "function_call": "the deprecated function calls: send `tools` and `tool_choice`", "audio": "audio output", "modalities": "output modalities",
     "prediction": "predicted outputs", "web_search_options": "web search", "reasoning_effort": "reasoning effort",
     "verbosity": "verbosity", "suffix": "suffix insertion", "best_of": "best_of",
 }
@@ -61,9 +108,6 @@ def unsupported(data: dict) -> tuple[str, str] | None:
             if name == "best_of" and data[name] in (1, data.get("n", 1)):
                 continue            # best_of equal to n is plain sampling
             return name, what
-    fmt = data.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        return "response_format", "structured output (only {\"type\": \"text\"} is supported)"
     return None
 
 
@@ -85,7 +129,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)   # vLLM's
     logit_bias: dict[int, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
-    response_format: dict | None = None        # only {"type": "text"} (checked by `unsupported`)
+    response_format: dict | None = None        # text, json_object or json_schema (grammars.py)
     best_of: int | None = None                 # only equal to n (checked by `unsupported`)
     # accepted, and without effect on generation (bookkeeping fields of OpenAI's API)
     user: str | None = None
@@ -115,16 +159,20 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
         return v
 
-    def _params(self, max_tokens: int | None, logprobs: int | None, defaults: SamplingDefaults) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None, defaults: SamplingDefaults,
+                grammar: str | None = None) -> SamplingParams:
         """The request's SamplingParams, the checkpoint's `defaults` where it leaves a value out (SamplingError
-        for a value out of range)."""
+        for a value out of range, GrammarError for a structured output that cannot be enforced); `grammar`: the
+        tools' grammar, else the response_format's."""
         pick = lambda value, default: default if value is None else value   # noqa: E731
+        grammar = response_format_grammar(self.response_format) if grammar is None else grammar
         return SamplingParams(
             max_tokens=max_tokens or defaults.max_tokens, temperature=pick(self.temperature, defaults.temperature),
             top_k=pick(self.top_k, defaults.top_k), top_p=pick(self.top_p, defaults.top_p), seed=self.seed,
             n=self.n, stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}), logprobs=logprobs)
+            repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}), logprobs=logprobs,
+            grammar=grammar)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -133,6 +181,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _checks(self):
@@ -140,11 +191,33 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("max_tokens and max_completion_tokens disagree; send one")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
+            raise ValueError("tool_choice needs tools")
         return self
 
+    @cached_property
+    def tool_plan(self) -> ToolPlan | None:
+        """How the tools are used (None without tools); GrammarError for a choice that cannot be served."""
+        if not self.tools:
+            return None
+        plan = tool_plan([t.model_dump() for t in self.tools], self.tool_choice, self.parallel_tool_calls)
+        if plan.grammar is not None and response_format_grammar(self.response_format) is not None:
+            raise GrammarError("a reply is either tool calls or a response_format, not both: send one",
+                               "response_format")
+        return plan
+
+    def prompt_messages(self) -> tuple[dict, ...]:
+        """The conversation for the prompter; with tools, a system message that describes them comes first."""
+        messages = tuple(m.for_prompter() for m in self.messages)
+        if self.tools:
+            messages = ({"role": "system", "content": tools_text([t.model_dump() for t in self.tools])},) + messages
+        return messages
+
     def to_params(self, defaults: SamplingDefaults) -> SamplingParams:
+        plan = self.tool_plan
         return self._params(self.max_completion_tokens or self.max_tokens,
-                            (self.top_logprobs or 0) if self.logprobs else None, defaults)
+                            (self.top_logprobs or 0) if self.logprobs else None, defaults,
+                            plan.grammar if plan else None)
 
 
 class TextCompletionRequest(SamplingFields):
@@ -193,7 +266,7 @@ class Completion:
 
     prefix, chunk_object, object = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
-    def __init__(self, model: str, n: int, prompts: int = 1, logprobs: bool = False):
+    def __init__(self, model: str, n: int, prompts: int = 1, logprobs: bool = False, tools: ToolPlan | None = None):
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
@@ -210,6 +283,8 @@ class Completion:
         self.want_logprobs = logprobs
         self.logprobs: list[list[dict]] = [[] for _ in range(choices)]     # every entry so far
         self.unsent: list[list[dict]] = [[] for _ in range(choices)]       # entries no chunk has carried yet
+        # with tools called (a named function or "required"), the text is read as tool calls, never shown
+        self.readers = [ToolCallReader(tools) for _ in range(choices)] if tools and tools.grammar else None
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         out = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
@@ -219,12 +294,14 @@ class Completion:
         return out
 
     def _choice_chunk(self, i: int, content: str | None = None, parts: list | None = None,
-                      finish: str | None = None) -> dict:
+                      finish: str | None = None, tool_calls: list | None = None) -> dict:
         delta = {}
         if content is not None:
             delta["content"] = content
         if parts is not None:
             delta["parts"] = parts
+        if tool_calls is not None:
+            delta["tool_calls"] = tool_calls
         choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
         if self.want_logprobs and self.unsent[i]:
             choice["logprobs"] = {"content": self.unsent[i], "refusal": None}
@@ -258,7 +335,12 @@ class Completion:
         if ev.logprobs is not None:
             self._record_logprob(i, logprob_entry(ev.logprobs))
         chunks = []
-        if ev.segment == "text":
+        if self.readers is not None:
+            self.text[i] += ev.text
+            deltas = self.readers[i].feed(ev.text)
+            if deltas or self.unsent[i]:
+                chunks.append(self._choice_chunk(i, tool_calls=[self._call_delta(i, *d) for d in deltas] or None))
+        elif ev.segment == "text":
             if ev.text:
                 self.text[i] += ev.text
                 self._add_part(i, "text", ev.text)
@@ -271,9 +353,25 @@ class Completion:
         if ev.finish_reason:
             if self.segment_kind[i]:       # cut off inside a calculator call
                 chunks += self._end_segment(i)
-            self.finish[i] = "length" if ev.finish_reason == "length" else "stop"
+            self.finish[i] = ("length" if ev.finish_reason == "length" else
+                              "tool_calls" if self.readers is not None else "stop")
             chunks.append(self._choice_chunk(i, finish=self.finish[i]))
         return chunks
+
+    def _call_id(self, i: int, k: int) -> str:
+        return f"call_{self.id.rsplit('-', 1)[-1][:16]}_{i}_{k}"
+
+    def _call_delta(self, i: int, k: int, name: str | None, arguments: str) -> dict:
+        """OpenAI's streamed tool-call delta: the first of a call has its id, type and name."""
+        if name is None:
+            return {"index": k, "function": {"arguments": arguments}}
+        return {"index": k, "id": self._call_id(i, k), "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+
+    def tool_calls(self, i: int) -> list[dict]:
+        return [{"id": self._call_id(i, k), "type": "function",
+                 "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for k, c in enumerate(self.readers[i].calls)]
 
     def _end_segment(self, i: int) -> list[dict]:
         kind, text = self.segment_kind[i], self.segment_text[i]
@@ -282,7 +380,8 @@ class Completion:
         return [self._choice_chunk(i, parts=[{"type": kind, "text": text}])]
 
     def first_chunks(self) -> list[dict]:
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+        content = None if self.readers is not None else ""
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": content}, "finish_reason": None,
                               "logprobs": None}]) for i in range(len(self.text))]
 
     def usage_chunk(self) -> dict:
@@ -292,6 +391,8 @@ class Completion:
         choices = []
         for i, text in enumerate(self.text):
             msg = {"role": "assistant", "content": text, "refusal": None}
+            if self.readers is not None:
+                msg["content"], msg["tool_calls"] = None, self.tool_calls(i)
             if any(p["type"] != "text" for p in self.parts[i]):
                 msg["parts"] = self.parts[i]
             choice = {"index": i, "message": msg, "finish_reason": self.finish[i] or "stop",
@@ -398,15 +499,16 @@ class ChoiceLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None                         # null when the reply is tool calls
     refusal: None = None                        # OpenAI's field: these models never refuse
+    tool_calls: list[ToolCall] | None = None    # with tools and tool_choice "required" or a named function
     parts: list[ContentPart] | None = None     # the reply in order, calculator calls and results included
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: ChoiceLogprobs | None             # null unless the request asked for logprobs
 
 

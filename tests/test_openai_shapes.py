@@ -82,15 +82,14 @@ def test_text_completion_shapes_prompts_and_cached_tokens():
 
 
 @pytest.mark.parametrize("body,name", [
-    ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
-    ({"functions": []}, "functions"), ({"parallel_tool_calls": True}, "parallel_tool_calls"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"audio": {}}, "audio"),
+    ({"functions": []}, "functions"), ({"function_call": "auto"}, "function_call"), ({"audio": {}}, "audio"),
     ({"modalities": ["text"]}, "modalities"), ({"prediction": {}}, "prediction"),
     ({"web_search_options": {}}, "web_search_options"), ({"best_of": 3}, "best_of"),
 ])
 def test_unsupported_parameters_are_named(body, name):
     assert unsupported(body)[0] == name
-    assert unsupported({"response_format": {"type": "text"}, "user": "u", "best_of": 1}) is None
+    assert unsupported({"response_format": {"type": "json_object"}, "tools": [], "tool_choice": "none", "user": "u",
+                        "best_of": 1}) is None
 
 
 def test_completion_prompt_forms():

@@ -424,7 +424,7 @@ def test_penalties_and_logit_bias(service):
 
 @pytest.mark.parametrize("field,value", [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "auto"),
-    ("functions", [{"name": "f"}]), ("parallel_tool_calls", True), ("response_format", {"type": "json_object"}),
+    ("functions", [{"name": "f"}]), ("response_format", {"type": "regex"}),
     ("audio", {"voice": "x", "format": "wav"}), ("modalities", ["text", "audio"]), ("prediction", {"type": "content"}),
     ("web_search_options", {}), ("some_new_knob", 1),
 ])

@@ -27,6 +27,7 @@ import logging
 import msgspec
 import torch
 
+from .constrained import Grammars
 from .cuda_graphs import DecodeGraphs, GraphCaptureError
 from .kv_cache import CacheBatch, KVCache
 from .logits import LogitProcessor, LogprobResult, logprobs
@@ -68,6 +69,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer, cfg.sequence_len)
         self.scheduler = Scheduler(config)
         self.logits = LogitProcessor(config.max_rows, cfg.vocab_size, self.device)
+        self.grammars = Grammars(tokenizer, cfg.vocab_size, self.outputs.stop_tokens, config.max_rows, self.device)
         self._observed: tuple[list[int], list[int]] = ([], [])   # (row, token) appended to processed rows
         self.prefix_ids: list[int] = []
         if prefix_ids:
@@ -95,6 +97,9 @@ class LLMEngine:
                 params = msgspec.structs.replace(params, prompt_logprobs=None)
         rid = request_id or f"req-{next(_ids)}"
         samples = [Sample(row_rng(params.seed, i), self.outputs.new_sample(i)) for i in range(params.n)]
+        if params.grammar is not None:
+            for s, m in zip(samples, self.grammars.matchers(params.grammar, params.n)):
+                s.matcher = m
         self.scheduler.add(Request(rid, list(prompt), params, max_new, samples, list(resume or [])))
         return rid
 
@@ -168,6 +173,8 @@ class LLMEngine:
             if req.resume and not self._replay(req, req.samples[0], events):
                 self.scheduler.start_running(req)      # it ended inside the replay: retire frees its row
                 continue
+            if req.params.grammar is not None:         # the first masks, computed while the prompt prefills
+                self.grammars.advance([(s.matcher, s.row, list(req.resume)) for s in req.samples])
             self.scheduler.start_prefill(req)
 
     def _replay(self, req: Request, s: Sample, events: list[TokenEvent]) -> bool:
@@ -292,23 +299,33 @@ class LLMEngine:
         if rows:
             self.logits.observe(rows, toks)
             self._observed = ([], [])
+        # the constrained rows' next masks, computed while this step's events are made and the next pass runs
+        self.grammars.advance([(s.matcher, s.row, [s.pending]) for _, s in targets
+                               if s.matcher is not None and not s.finished])
 
     def _sample(self, logits: torch.Tensor,
                 targets: list[tuple[Request, Sample]]) -> tuple[list[int], list[LogprobResult | None]]:
         """Sample one token per target row; the rows whose requests ask for it get their logits processed first
         (bias, penalties) and their log-probabilities computed (not for a row whose next token the calculator
-        forces: it is not sampled)."""
+        forces: it is not sampled); constrained rows sample from the tokens their grammar allows (their
+        log-probabilities are the model's before that mask, as they are before temperature and top-k)."""
         ps = [r.params for r, _ in targets]
         processed = [i for i, p in enumerate(ps) if p.processes_logits]
         if processed:
             logits = self.logits.apply(logits.float(), processed, [targets[i][1].row for i in processed],
                                        [ps[i] for i in processed])
+        asked = [i for i, p in enumerate(ps) if p.logprobs is not None and not targets[i][1].output.forced]
+        scored = logits
+        constrained = [i for i, (_, s) in enumerate(targets) if s.matcher is not None and not s.output.forced]
+        if constrained:
+            if asked:
+                scored = logits.clone()
+            self.grammars.apply(logits, constrained, [targets[i][1].row for i in constrained])
         tokens = sample(logits, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
                         [s.rng.random() for _, s in targets]).tolist()
         lps: list[LogprobResult | None] = [None] * len(targets)
-        asked = [i for i, p in enumerate(ps) if p.logprobs is not None and not targets[i][1].output.forced]
         if asked:
-            for i, res in zip(asked, logprobs(logits, asked, [tokens[i] for i in asked],
+            for i, res in zip(asked, logprobs(scored, asked, [tokens[i] for i in asked],
                                               [ps[i].logprobs for i in asked])):
                 lps[i] = res
         return tokens, lps

@@ -47,7 +47,9 @@ def build_engine(start: Start):
     if start.config.torch_threads:
         torch.set_num_threads(start.config.torch_threads)
     model, tok, _ = load_chat_model(start.checkpoint, start.device)
-    return LLMEngine(model, tok, start.config, prefix_ids=list(start.prefix_ids) or None)
+    engine = LLMEngine(model, tok, start.config, prefix_ids=list(start.prefix_ids) or None)
+    engine.grammars.tokenizer()       # structured outputs' vocabulary index, before the first request needs it
+    return engine
 
 
 def set_cpu_policy(policy: str) -> str:

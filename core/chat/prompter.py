@@ -8,6 +8,12 @@ A user turn is `<|user_start|> text <|user_end|>`. An assistant turn is `<|assis
 `{"type": "python_output"}` (its result, in <|output_start|>..<|output_end|>), so a client can send
 a tool-using reply back in the history.
 
+Function tools (OpenAI's `tools`; the model has no format of its own for them): an assistant turn that carries
+`tool_calls` shows its text, then the calls as `[{"name": ..., "arguments": {...}}]` (the layout
+`tool_choice: "required"` generates, grammars.py); a `tool` message (a call's result) is a user turn,
+`Result of <function>: <content>`, the function named by the call its `tool_call_id` answers. A conversation
+may end with tool results instead of a user turn, as an agent's loop sends it.
+
 System messages: the model has no system role (nanochat's format), so the text of all system
 messages is joined and prepended to the first user turn that is kept. It survives truncation.
 
@@ -18,11 +24,12 @@ question in it.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from .tokenizer import ChatTokenizer
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 PART_TOKENS = {"text": None, "python": ("<|python_start|>", "<|python_end|>"),
                "python_output": ("<|output_start|>", "<|output_end|>")}
 
@@ -73,10 +80,13 @@ class ChatPrompter:
             parts.append((kind, part["text"]))
         return parts
 
-    def _turn(self, msg: dict, where: str, system_text: str = "") -> list[int]:
+    def _turn(self, msg: dict, where: str, system_text: str = "", called: dict | None = None) -> list[int]:
         parts = self._content_parts(msg, where)
-        if msg["role"] == "user":
+        if msg["role"] in ("user", "tool"):
             text = "".join(t for _, t in parts)
+            if msg["role"] == "tool":
+                name = (called or {}).get(msg.get("tool_call_id")) or msg.get("name") or "the function"
+                text = f"Result of {name}: {text}"
             if system_text:
                 text = system_text + "\n\n" + text
             return [self.user_start, *self.tok.encode(text), self.user_end]
@@ -87,6 +97,8 @@ class ChatPrompter:
                 ids += self.tok.encode(text)
             else:
                 ids += [self.tok.encode_special(wrap[0]), *self.tok.encode(text), self.tok.encode_special(wrap[1])]
+        if msg.get("tool_calls"):
+            ids += self.tok.encode(calls_text(msg["tool_calls"]))
         return ids + [self.assistant_end]
 
     def render(self, messages: list[dict], max_new_tokens: int) -> Prompt:
@@ -102,11 +114,13 @@ class ChatPrompter:
                 system.append("".join(t for _, t in self._content_parts(m, where)))
             else:
                 convo.append((where, m))
-        if not convo or convo[-1][1]["role"] != "user":
-            raise PromptError("the last non-system message must come from the user", "messages")
+        if not convo or convo[-1][1]["role"] not in ("user", "tool"):
+            raise PromptError("the last non-system message must come from the user (or be a tool result)",
+                              "messages")
         system_text = "\n\n".join(s for s in system if s)
         budget = self.sequence_len - max_new_tokens - len(self.prefix_ids) - 1   # 1: <|assistant_start|>
-        plain = [self._turn(m, where) for where, m in convo]
+        called = {c.get("id"): c["function"]["name"] for _, m in convo for c in m.get("tool_calls") or ()}
+        plain = [self._turn(m, where, called=called) for where, m in convo]
         # Walk back from the newest turn; a history may start at any user turn k, whose rendering then
         # also carries the system text. Keep the longest history that fits.
         best, tail = None, 0
@@ -119,7 +133,7 @@ class ChatPrompter:
                 break
             best = (k, first)
         if best is None:
-            need = len(self.prefix_ids) + 1 + len(self._turn(convo[-1][1], convo[-1][0], system_text))
+            need = len(self.prefix_ids) + 1 + len(self._turn(convo[-1][1], convo[-1][0], system_text, called))
             raise PromptTooLong(
                 f"the newest user message needs {need} prompt tokens but only {self.sequence_len - max_new_tokens} "
                 f"fit in the context window of {self.sequence_len} tokens with max_tokens={max_new_tokens}; "
@@ -130,3 +144,17 @@ class ChatPrompter:
             ids += turn
         ids.append(self.assistant_start)
         return Prompt(ids, k)
+
+
+def calls_text(calls: list[dict]) -> str:
+    """An assistant's tool calls as its turn shows them: `[{"name": ..., "arguments": {...}}]`, the layout of
+    grammars.JSON_LAYOUT (arguments that are not valid JSON are kept as a string)."""
+    items = []
+    for c in calls:
+        args = c["function"].get("arguments") or "{}"
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            parsed = args
+        items.append({"name": c["function"]["name"], "arguments": parsed})
+    return json.dumps(items, ensure_ascii=False)

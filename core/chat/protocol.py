@@ -82,6 +82,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     prompt_logprobs: int | None = None   # None: none; k: each prompt token's logprob (the model's, before any
                                          # bias or penalty) and the k most probable at its place; max_tokens may
                                          # then be 0 (score the prompt only)
+    grammar: str | None = None        # structured output: an llguidance grammar (core/chat/grammars.py) every
+                                      # sampled token must follow; None: free text
 
     @property
     def processes_logits(self) -> bool:
@@ -122,6 +124,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
             if not -100.0 <= bias <= 100.0:
                 raise SamplingError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}",
                                     "logit_bias")
+        if self.grammar is not None and self.ignore_eos:
+            raise SamplingError("ignore_eos cannot be combined with a structured output: a completed grammar allows "
+                                "only the end of the turn", "ignore_eos")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise SamplingError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
                                 "top_logprobs")

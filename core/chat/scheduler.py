@@ -31,6 +31,7 @@ class Sample:
     row: int = -1
     position: int = 0               # tokens of this row already in the cache
     pending: int | None = None      # last token, not yet fed to the model
+    matcher: object | None = None   # structured output: the sample's grammar matcher (constrained.py)
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,226 @@
+"""Structured outputs, the torch-free half: what a request's `response_format` or `tools` ask for, as a grammar
+for constrained decoding (llguidance), and the tool calls read back out of the constrained text.
+
+The engine enforces a grammar token by token (constrained.py); this module decides which grammar:
+
+- `response_format: {"type": "json_object"}` -> any JSON object;
+- `response_format: {"type": "json_schema", "json_schema": {"schema": ...}}` -> JSON valid against the schema;
+- `tools` with `tool_choice` naming a function -> that function's arguments, a JSON object valid against its
+  `parameters` (the whole constrained text is the arguments);
+- `tools` with `tool_choice: "required"` -> a JSON array of calls, `[{"name": ..., "arguments": {...}}, ...]`,
+  each item one of the functions (at most one item with `parallel_tool_calls: false`).
+
+JSON is written in one layout, Python's `json.dumps` one (`{"a": 1, "b": [2, 3]}`: ", " between items, ": "
+after keys, no other whitespace), and object keys in the schema's order. A fixed layout keeps a model from
+spending its tokens on whitespace (a known way for JSON mode to run to the length limit) and lets a stream of
+tool calls be read as it comes. A schema keyword the grammar cannot enforce (llguidance's list: `uniqueItems`,
+`not`, `if`/`then`, an unknown `format`, ...) is an error that names it: nothing is dropped silently.
+
+Importing this module imports llguidance (no torch): the Ingress checks every grammar before a replica sees it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import llguidance
+
+from .protocol import SamplingError
+
+# llguidance's JSON compile options: the fixed layout described above
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(SamplingError):
+    """A schema or tool definition that cannot be enforced; `param` names the request field."""
+
+
+def json_grammar(schema: dict, param: str) -> str:
+    """The llguidance grammar of JSON valid against `schema`; GrammarError (naming `param`) if it cannot be
+    enforced."""
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{param} must be a JSON schema object", param)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"{param}: {e}", param) from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise GrammarError(f"{param} cannot be enforced: {_short(messages[0])}", param)
+    if messages:      # warnings are keywords it would ignore: refused as well, never dropped
+        raise GrammarError(f"{param} cannot be enforced: {'; '.join(_short(m) for m in messages)}", param)
+    return grammar
+
+
+def _short(message: str) -> str:
+    return message.split("\n", 1)[0].removeprefix("WARNING: ").strip()
+
+
+# ---- response_format
+def response_format_grammar(fmt: dict | None) -> str | None:
+    """The grammar a `response_format` asks for (None for text or absent); GrammarError for one this service
+    cannot enforce."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise GrammarError("response_format must be an object with a `type`", "response_format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_grammar({"type": "object"}, "response_format")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise GrammarError("response_format.json_schema must be {\"name\": ..., \"schema\": {...}}",
+                               "response_format.json_schema")
+        return json_grammar(spec.get("schema") or {"type": "object"}, "response_format.json_schema.schema")
+    raise GrammarError(f"response_format type {kind!r} is not one of text, json_object, json_schema",
+                       "response_format")
+
+
+# ---- tools
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a request's tools are used: `mode` "named" (one call of `names[0]`, the text is its arguments),
+    "required" (the text is a JSON array of calls), or "none" (text; the tools are only described)."""
+
+    mode: str
+    names: tuple[str, ...]
+    grammar: str | None
+
+
+AUTO_REFUSED = ("tool_choice \"auto\" (the default when tools are sent) lets the model decide whether to call a "
+                "tool, and this model has no tool-call format to decide with; send tool_choice \"required\" (the "
+                "reply is one or more calls), {\"type\": \"function\", \"function\": {\"name\": ...}} (a call of "
+                "that function), or \"none\" (a text reply)")
+
+
+def tool_plan(tools: list[dict], tool_choice, parallel: bool | None) -> ToolPlan:
+    """The plan for `tools` (OpenAI function tools, already shape-checked) under `tool_choice`; GrammarError for
+    a choice that cannot be served or a `parameters` schema that cannot be enforced."""
+    names = tuple(t["function"]["name"] for t in tools)
+    if len(set(names)) != len(names):
+        raise GrammarError("tools must have distinct function names", "tools")
+    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    if tool_choice is None or tool_choice == "auto":
+        raise GrammarError(AUTO_REFUSED, "tool_choice")
+    if tool_choice == "none":
+        return ToolPlan("none", names, None)
+    if tool_choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": params[n]},
+                  "required": ["name", "arguments"], "additionalProperties": False} for n in names]
+        schema = {"type": "array", "minItems": 1,
+                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if parallel is False:
+            schema["maxItems"] = 1
+        _each_enforceable(tools, params)
+        return ToolPlan("required", names, json_grammar(schema, "tools"))
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if name not in params:
+            raise GrammarError(f"tool_choice names {name!r}, which is not among the tools {list(names)}",
+                               "tool_choice")
+        i = names.index(name)
+        return ToolPlan("named", (name,), json_grammar(params[name], f"tools[{i}].function.parameters"))
+    raise GrammarError("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                       "\"function\": {\"name\": ...}}", "tool_choice")
+
+
+def _each_enforceable(tools: list[dict], params: dict) -> None:
+    """Each function's parameters checked on their own, so that an error names the tool it is in."""
+    for i, t in enumerate(tools):
+        json_grammar(params[t["function"]["name"]], f"tools[{i}].function.parameters")
+
+
+def tools_text(tools: list[dict]) -> str:
+    """The tools as the prompt describes them (a system text): one line per function with its description, then
+    its parameters' schema as JSON."""
+    lines = ["Functions you can call:"]
+    for t in tools:
+        f = t["function"]
+        line = f"- {f['name']}"
+        if f.get("description"):
+            line += f": {f['description']}"
+        lines.append(line)
+        lines.append(f"  parameters: {json.dumps(f.get('parameters') or {'type': 'object'}, ensure_ascii=False)}")
+    return "\n".join(lines)
+
+
+class ToolCallReader:
+    """Reads tool calls out of constrained text as it streams: `feed(text)` -> deltas `(index, name or None,
+    arguments fragment)`, the first delta of a call carrying its name. In "named" mode the whole text is the
+    arguments of one call. In "required" mode the text is the grammar's array, `[{"name": "f", "arguments": ...},
+    ...]`: the layout is fixed and "arguments" is the last key, so a call's arguments are every character from
+    after `"arguments": ` to the `}` that closes the call, found by following nesting outside strings."""
+
+    _KEY = '"arguments": '
+
+    def __init__(self, plan: ToolPlan):
+        self.named = plan.mode == "named"
+        self.calls: list[dict] = [{"name": plan.names[0], "arguments": ""}] if self.named else []
+        self._announced = 0       # calls whose name a delta has carried
+        self._depth = 0           # 1 inside the array, 2 inside a call object, more inside its arguments
+        self._in_string = self._escape = self._in_args = False
+        self._head = ""           # a call object's text before its arguments
+        self._fresh: dict[int, str] = {}     # arguments text added by the current feed, per call
+
+    def feed(self, text: str) -> list[tuple[int, str | None, str]]:
+        if self.named:
+            if text:
+                self.calls[0]["arguments"] += text
+            grown = [0] if text else []
+        else:
+            grown = []
+            for ch in text:
+                if self._char(ch):
+                    grown.append(len(self.calls) - 1)
+        return self._deltas(grown, text if self.named else None)
+
+    def _deltas(self, grown: list[int], named_text: str | None) -> list[tuple[int, str | None, str]]:
+        out = []
+        for i in dict.fromkeys(grown):
+            frag = named_text if named_text is not None else self._fresh[i]
+            name = None
+            if i >= self._announced:
+                name, self._announced = self.calls[i]["name"], i + 1
+            out.append((i, name, frag))
+        self._fresh = {}
+        return out
+
+    def _char(self, ch: str) -> bool:
+        """One character of required-mode text; -> whether it belongs to the current call's arguments."""
+        if self._in_string:
+            if self._escape:
+                self._escape = False
+            elif ch == "\\":
+                self._escape = True
+            elif ch == '"':
+                self._in_string = False
+        elif ch == '"':
+            self._in_string = True
+        elif ch in "{[":
+            self._depth += 1
+            if self._depth == 2 and not self._in_args:
+                self._head = ""
+                return False
+        elif ch in "}]":
+            self._depth -= 1
+            if self._depth == 1 and self._in_args:          # the call object closes
+                self._in_args = False
+                return False
+        if self._in_args:
+            self._add(ch)
+            return True
+        if self._depth == 2:
+            self._head += ch
+            if not self._in_string and self._head.endswith(self._KEY):
+                name = json.loads("{" + self._head[:-len(", " + self._KEY)] + "}")["name"]
+                self.calls.append({"name": name, "arguments": ""})
+                self._in_args = True
+        return False
+
+    def _add(self, ch: str) -> None:
+        i = len(self.calls) - 1
+        self.calls[i]["arguments"] += ch
+        self._fresh[i] = self._fresh.get(i, "") + ch

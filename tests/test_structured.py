@@ -1,0 +1,299 @@
+"""Structured outputs: grammars from schemas and tools, constrained sampling in the engine, tool calls read back.
+
+The reference for validity is jsonschema (an independent validator), on text sampled at temperature 1 from a
+random-weights model that knows nothing of JSON: whatever it would say, the grammar lets through only valid
+output. Batched runs are compared with single runs, resumed with uninterrupted ones."""
+import json
+import random
+
+import jsonschema
+import pytest
+
+from core.chat import ChatPrompter, LLMEngine, SamplingParams
+from core.chat.checkpoint import load_chat_model
+from core.chat.grammars import GrammarError, ToolCallReader, json_grammar, response_format_grammar, tool_plan
+from core.chat.protocol import SamplingError
+from tests.conftest import tiny_model
+
+S = {"type": "string", "maxLength": 12}      # strings end: a random model rarely closes an unbounded one
+
+
+def closed(schema):
+    """Objects take only their listed keys (additionalProperties false where the schema says nothing): a random
+    model would otherwise add keys of any value without end."""
+    if isinstance(schema, dict):
+        schema = {k: closed(v) for k, v in schema.items()}
+        if schema.get("type") == "object":
+            schema.setdefault("additionalProperties", False)
+    elif isinstance(schema, list):
+        schema = [closed(v) for v in schema]
+    return schema
+
+
+SCHEMAS = [closed(s) for s in [
+    {"type": "object", "properties": {"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {
+        "c": {"type": "boolean"}}, "required": ["c"]}}, "required": ["b"]}}, "required": ["a"]},
+    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 2, "maxItems": 4},
+    {"type": "array", "items": S, "maxItems": 3},
+    {"enum": ["red", "green", "blue"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", 3, None]}}, "required": ["color"]},
+    {"type": "integer", "minimum": 10, "maximum": 20},
+    {"type": "number", "minimum": 0, "maximum": 1},
+    {"type": "number", "exclusiveMinimum": -2.5, "exclusiveMaximum": 2.5},
+    {"type": "object", "properties": {"x": {"type": "integer", "maximum": 9}, "y": S}, "required": ["x"],
+     "additionalProperties": False},                                                     # y optional
+    {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["zip"]},
+    {"type": "string", "pattern": "^[a-z]{2,6}-[0-9]{1,3}$"},
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 50}, {"type": "boolean"}, {"type": "null"}]},
+    {"type": "object", "properties": {"v": {"anyOf": [S, {"type": "array", "items": {"type": "boolean"},
+                                                           "maxItems": 2}]}}, "required": ["v"]},
+    {"type": "boolean"},
+    {"type": "null"},
+    {"type": "object", "properties": {"id": {"const": "fixed"}, "n": {"type": "integer", "minimum": 1,
+                                                                       "maximum": 3}}, "required": ["id", "n"]},
+    {"type": "array", "items": {"type": "object", "properties": {"k": {"enum": ["a", "b"]}, "v": {
+        "type": "integer", "minimum": 0, "maximum": 9}}, "required": ["k", "v"], "additionalProperties": False},
+     "minItems": 1, "maxItems": 3},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["x", "y", "z"]},
+                                               "minItems": 1, "maxItems": 2}}, "required": ["tags"]},
+    {"type": "object", "properties": {"p": {"type": "object", "properties": {"lat": {
+        "type": "number", "minimum": -90, "maximum": 90}, "lon": {"type": "number", "minimum": -180, "maximum": 180}},
+        "required": ["lat", "lon"], "additionalProperties": False}}, "required": ["p"], "additionalProperties": False},
+    {"$defs": {"leaf": {"type": "integer", "minimum": 0, "maximum": 3}}, "type": "array",
+     "items": {"$ref": "#/$defs/leaf"}, "maxItems": 3},
+    {"type": "string", "minLength": 2, "maxLength": 5},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "why": {"type": "string", "maxLength": 8}},
+     "required": ["ok"], "additionalProperties": False},
+]]
+
+
+def run(engine, requests):
+    """requests: {rid: (prompt, params)} all in one batch -> {rid: (text, finish_reason, tokens)}."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(prompt, params, rid)
+    out = {rid: ["", None, []] for rid in requests}
+    while engine.has_work():
+        for ev in engine.step():
+            o = out[ev.request_id]
+            o[0] += ev.text
+            if ev.token is not None:
+                o[2].append(ev.token)
+            if ev.finish_reason:
+                o[1] = ev.finish_reason
+    return {rid: tuple(o) for rid, o in out.items()}
+
+
+def test_schema_table_has_breadth():
+    assert len(SCHEMAS) >= 20
+    for s in SCHEMAS:
+        jsonschema.Draft202012Validator.check_schema(s)
+
+
+def test_every_schema_holds_at_temperature_1_on_a_random_model(tokenizer, nanochat_model):
+    """Each schema, 3 seeds, all 69 rows in continuous batches of 16: every output parses and validates."""
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=16)
+    prompt = tokenizer.encode("tell me something")
+    requests = {f"{i}/{seed}": (prompt, SamplingParams(max_tokens=120, temperature=1.0, seed=seed,
+                                                       grammar=json_grammar(s, "schema")))
+                for i, s in enumerate(SCHEMAS) for seed in range(3)}
+    for rid, (text, finish, _) in run(engine, requests).items():
+        schema = SCHEMAS[int(rid.split("/")[0])]
+        assert finish == "stop", (rid, schema, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_the_calculator_never_runs_inside_constrained_output(tokenizer, nanochat_model):
+    """The grammar allows no special token but the end of the turn: a model pushed hard towards the calculator
+    (its start token biased up) still answers in JSON."""
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=4)
+    start = tokenizer.encode_special("<|python_start|>")
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=1, logit_bias={start: 100.0},
+                            grammar=json_grammar(SCHEMAS[0], "schema"))
+    free = SamplingParams(max_tokens=4, temperature=1.0, seed=1, logit_bias={start: 100.0})
+    got = run(engine, {"json": (tokenizer.encode("2+2"), params), "free": (tokenizer.encode("2+2"), free)})
+    jsonschema.validate(json.loads(got["json"][0]), SCHEMAS[0])
+    assert start not in got["json"][2] and got["free"][2][0] == start
+
+
+def test_batching_changes_nothing(tokenizer, nanochat_model):
+    """A seeded constrained request gives the same tokens alone and among others (constrained and free rows),
+    and a free request beside constrained ones the same as alone."""
+    prompt = tokenizer.encode("the cat")
+    g = json_grammar(SCHEMAS[17], "schema")
+    target = SamplingParams(max_tokens=80, temperature=1.0, seed=7, grammar=g)
+    free = SamplingParams(max_tokens=30, temperature=1.0, seed=3)
+    alone = run(LLMEngine(nanochat_model, tokenizer, max_rows=8), {"t": (prompt, target)})["t"]
+    free_alone = run(LLMEngine(nanochat_model, tokenizer, max_rows=8), {"f": (prompt, free)})["f"]
+    mixed = {"t": (prompt, target), "f": (prompt, free)}
+    for i in range(5):
+        mixed[f"c{i}"] = (tokenizer.encode(f"other {i}"), SamplingParams(max_tokens=60, temperature=1.0, seed=i,
+                                                                        grammar=json_grammar(SCHEMAS[i], "s")))
+    together = run(LLMEngine(nanochat_model, tokenizer, max_rows=8), mixed)
+    assert together["t"] == alone and together["f"] == free_alone
+
+
+def test_n_samples_each_follow_the_grammar(tokenizer, nanochat_model):
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=8)
+    schema = SCHEMAS[2]
+    engine.add_request(tokenizer.encode("list"), SamplingParams(max_tokens=60, temperature=1.0, n=4, seed=2,
+                                                                grammar=json_grammar(schema, "s")), "r")
+    texts = [""] * 4
+    while engine.has_work():
+        for ev in engine.step():
+            texts[ev.index] += ev.text
+    for t in texts:
+        jsonschema.validate(json.loads(t), schema)
+    assert len(set(texts)) > 1
+
+
+def test_a_length_cut_says_length(tokenizer, nanochat_model):
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=2)
+    text, finish, tokens = run(engine, {"r": (tokenizer.encode("x"), SamplingParams(
+        max_tokens=3, temperature=1.0, seed=0, grammar=json_grammar(SCHEMAS[0], "s")))})["r"]
+    assert finish == "length" and len(tokens) == 3 and '{"name": "'.startswith(text)     # the layout's start
+
+
+def test_a_resumed_constrained_run_is_the_rest_of_the_uninterrupted_one(tokenizer, nanochat_model):
+    prompt, g = tokenizer.encode("resume me"), json_grammar(SCHEMAS[17], "s")
+    params = SamplingParams(max_tokens=80, temperature=1.0, seed=11, grammar=g)
+    whole = run(LLMEngine(nanochat_model, tokenizer, max_rows=2), {"r": (prompt, params)})["r"]
+    cut = len(whole[2]) // 2
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=2)
+    engine.add_request(prompt, params, "r", resume=whole[2][:cut])
+    rest = []
+    while engine.has_work():
+        rest += [ev.token for ev in engine.step() if ev.token is not None]
+    assert whole[2][:cut] + rest == whole[2]
+
+
+def test_logprobs_of_constrained_rows_are_the_models_before_the_mask(tokenizer, nanochat_model):
+    """The first token's logprob entries under a grammar equal a free greedy run's at the same place (the mask
+    changes which token is drawn, not the reported distribution)."""
+    prompt = tokenizer.encode("the cat")
+    con = run_events(LLMEngine(nanochat_model, tokenizer, max_rows=2), prompt, SamplingParams(
+        max_tokens=1, temperature=0, logprobs=3, grammar=json_grammar(SCHEMAS[0], "s")))
+    free = run_events(LLMEngine(nanochat_model, tokenizer, max_rows=2), prompt,
+                      SamplingParams(max_tokens=1, temperature=0, logprobs=3))
+    assert con[0].top_logprobs == free[0].top_logprobs          # same top tokens and values
+    assert tokenizer.decode([con[0].token]).startswith("{")     # while the drawn token follows the grammar
+
+
+def run_events(engine, prompt, params):
+    engine.add_request(prompt, params, "r")
+    events = []
+    while engine.has_work():
+        events += [ev for ev in engine.step() if ev.token is not None]
+    return events
+
+
+def test_the_demo_model_greedy_follows_a_schema_and_a_tool():
+    model, tok, _ = load_chat_model("models/demo-chat", "cpu")
+    prompter = ChatPrompter(tok, model.config.sequence_len)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"enum": ["France", "Japan", "Peru"]}},
+              "required": ["city", "country"], "additionalProperties": False}
+    prompt = prompter.render([{"role": "user", "content": "What is the capital of France?"}], 64).ids
+    engine = LLMEngine(model, tok, max_rows=2)
+    text, finish, _ = run(engine, {"r": (prompt, SamplingParams(max_tokens=64, temperature=0,
+                                                                grammar=json_grammar(schema, "s")))})["r"]
+    assert finish == "stop", text
+    jsonschema.validate(json.loads(text), schema)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    plan = tool_plan(tools, "required", False)          # one call: greedy, this model would repeat it
+    text, finish, _ = run(engine, {"t": (prompt, SamplingParams(max_tokens=128, temperature=0,
+                                                                grammar=plan.grammar))})["t"]
+    calls = json.loads(text)
+    assert finish == "stop" and calls[0]["name"] == "weather" and isinstance(calls[0]["arguments"]["city"], str)
+
+
+# ---- grammars: what is refused, by name
+@pytest.mark.parametrize("schema,keyword", [
+    ({"type": "array", "uniqueItems": True}, "uniqueItems"), ({"not": {"type": "string"}}, "not"),
+    ({"if": {"type": "string"}, "then": {"minLength": 2}}, "if"), ({"type": "string", "format": "bogus"}, "bogus"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+])
+def test_an_unenforceable_keyword_is_refused_by_name(schema, keyword):
+    with pytest.raises(GrammarError) as e:
+        response_format_grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert keyword in str(e.value) and e.value.param == "response_format.json_schema.schema"
+    assert isinstance(e.value, SamplingError)
+
+
+def test_response_format_kinds():
+    assert response_format_grammar(None) is None and response_format_grammar({"type": "text"}) is None
+    assert response_format_grammar({"type": "json_object"})
+    with pytest.raises(GrammarError, match="regex"):
+        response_format_grammar({"type": "regex"})
+
+
+def test_tool_choice_plans():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "g"}}]
+    for choice in (None, "auto"):
+        with pytest.raises(GrammarError, match="required") as e:
+            tool_plan(tools, choice, None)
+        assert e.value.param == "tool_choice"
+    assert tool_plan(tools, "none", None).grammar is None
+    assert tool_plan(tools, {"type": "function", "function": {"name": "g"}}, None).mode == "named"
+    with pytest.raises(GrammarError, match="'h'"):
+        tool_plan(tools, {"type": "function", "function": {"name": "h"}}, None)
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}]
+    with pytest.raises(GrammarError, match="uniqueItems") as e:
+        tool_plan(bad, "required", None)
+    assert e.value.param == "tools[0].function.parameters"
+
+
+def test_required_calls_respect_parallel_tool_calls(tokenizer, nanochat_model):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"]}}},
+             {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {
+                 "y": {"enum": ["a", "b"]}}, "required": ["y"], "additionalProperties": False}}}]
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=8)
+    reqs = {f"{p}{seed}": (tokenizer.encode("call"), SamplingParams(
+        max_tokens=120, temperature=1.0, seed=seed, grammar=tool_plan(tools, "required", p == "one").grammar))
+        for p in ("one", "many") for seed in range(4)}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for rid, (text, finish, _) in run(engine, reqs).items():
+        calls = json.loads(text)
+        assert finish == "stop" and 1 <= len(calls) and (len(calls) == 1 or rid.startswith("many"))
+        for c in calls:
+            jsonschema.validate(c["arguments"], schemas[c["name"]])
+        reader = ToolCallReader(tool_plan(tools, "required", None))
+        cuts = sorted(random.Random(rid).sample(range(1, len(text)), min(6, len(text) - 1)))
+        for a, b in zip([0] + cuts, cuts + [len(text)]):
+            reader.feed(text[a:b])
+        assert [(c["name"], json.loads(c["arguments"])) for c in reader.calls] == \
+            [(c["name"], c["arguments"]) for c in calls]
+
+
+def test_the_tool_call_reader_streams_names_first_and_arguments_in_pieces():
+    tools = [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]
+    text = json.dumps([{"name": "f", "arguments": {"a": "x}\"]{", "b": [1, {"c": None}]}},
+                       {"name": "g", "arguments": {}}])
+    for seed in range(30):
+        reader = ToolCallReader(tool_plan(tools, "required", None))
+        cuts = sorted(random.Random(seed).sample(range(1, len(text)), 7))
+        deltas = [d for a, b in zip([0] + cuts, cuts + [len(text)]) for d in reader.feed(text[a:b])]
+        assert [d[1] for d in deltas if d[1] is not None] == ["f", "g"]
+        args = {}
+        for index, _, frag in deltas:
+            args[index] = args.get(index, "") + frag
+        assert [json.loads(args[i]) for i in (0, 1)] == [{"a": "x}\"]{", "b": [1, {"c": None}]}, {}]
+    named = ToolCallReader(tool_plan(tools, {"type": "function", "function": {"name": "g"}}, None))
+    assert named.feed('{"a"') == [(0, "g", '{"a"')] and named.feed(": 1}") == [(0, None, ": 1}")]
+
+
+def test_tool_calls_and_results_render_into_the_prompt(tokenizer):
+    prompter = ChatPrompter(tokenizer, 512)
+    messages = [{"role": "user", "content": "weather in paris"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    ids = prompter.render(messages, 16).ids
+    text = tokenizer.decode(ids)
+    assert '[{"name": "weather", "arguments": {"city": "paris"}}]<|assistant_end|>' in text
+    assert text.endswith("<|user_start|>Result of weather: sunny<|user_end|><|assistant_start|>")

@@ -1,11 +1,14 @@
 """Engine benchmark: single-stream vs 32-stream throughput, time to first token, engine step overhead.
 
-    python -m bench.engine [--json out.json] [--device cpu|cuda]
+    python -m bench.engine [--json out.json] [--device cpu|cuda] [--structured-only]
 
 A small nanochat-architecture model (4 layers, width 256) with random weights; special-token logits are
 zeroed so every stream runs its full length. Then the cost of asking for logprobs: 32 streams with
 `logprobs` 5 (each token's logprob and the 5 most probable) on every row, beside the same without, and with
-penalties and a logit_bias on every row. Prints a table; figures go in bench/README.md with date and machine.
+penalties and a logit_bias on every row. Then structured outputs: 32 streams, every row constrained by a JSON
+schema (an array of at least 64 small objects, so no row ends before max_tokens), beside the same streams free,
+on the demo chat model's vocabulary (models/demo-chat, 1,954 tokens) and on a GPT-2-sized one (50,257 tokens,
+random): the same model with a wider or narrower embedding and head. Prints a table; figures go in bench/README.md with date and machine.
 """
 from __future__ import annotations
 
@@ -21,13 +24,47 @@ import torch
 from core.chat import ChatModelConfig, LLMEngine, SamplingParams, build_model
 from core.chat.kv_cache import CacheBatch
 from core.chat.model import init_weights
-from core.chat.tokenizer import train_tokenizer
+from core.chat.checkpoint import load_chat_tokenizer
+from core.chat.grammars import json_grammar
+from core.chat.tokenizer import ChatTokenizer, train_tokenizer
+
+# every row's output, kept going to max_tokens: at least 64 objects of three kinds of value
+LONG_JSON = {"type": "object", "properties": {"items": {"type": "array", "minItems": 64, "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                     "name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}},
+    "required": ["id", "name", "ok"], "additionalProperties": False}}}, "required": ["items"],
+    "additionalProperties": False}
 
 
-def bench_model(vocab_size=2048):
+def random_vocab(size: int, seed: int = 0) -> ChatTokenizer:
+    """A byte-level vocabulary of `size` tokens (GPT-2's is 50,257), random: the 256 bytes, then word pieces with
+    and without a leading space, numbers, runs of punctuation and of whitespace; the chat tokens after them."""
+    rng = random.Random(seed)
+    cons, vows, punct = "bcdfghjklmnprstvwz", "aeiou", list('":,{}[].-_\'()!?;')
+    tokens = [bytes([b]) for b in range(256)]
+    seen = set(tokens)
+    while len(tokens) < size - 9:
+        r = rng.random()
+        if r < 0.6:
+            t = "".join(rng.choice(cons) + rng.choice(vows) for _ in range(rng.randint(1, 4)))
+            t = (" " if rng.random() < 0.6 else "") + (t.capitalize() if rng.random() < 0.2 else t)
+        elif r < 0.75:
+            t = (" " if rng.random() < 0.3 else "") + str(rng.randrange(10 ** rng.randint(1, 4)))
+        elif r < 0.92:
+            t = "".join(rng.choice(punct) for _ in range(rng.randint(2, 4)))
+        else:
+            t = rng.choice(["\n", " ", "\t"]) * rng.randint(2, 8)
+        if t.encode() not in seen:
+            seen.add(t.encode())
+            tokens.append(t.encode())
+    return ChatTokenizer.from_ranks({t: i for i, t in enumerate(tokens)})
+
+
+def bench_model(vocab_size=2048, tok=None):
     words = "the a cat dog sat on mat red blue green what is capital hello how are you 1 2 3 4 5".split()
     rng = random.Random(0)
-    tok = train_tokenizer((" ".join(rng.choice(words) for _ in range(12)) for _ in range(2000)), vocab_size)
+    if tok is None:
+        tok = train_tokenizer((" ".join(rng.choice(words) for _ in range(12)) for _ in range(2000)), vocab_size)
     cfg = ChatModelConfig(arch="nanochat", vocab_size=tok.vocab_size, n_layer=4, n_head=4, n_kv_head=4, n_embd=256,
                           sequence_len=1024)
     model = init_weights(build_model(cfg), seed=0, std=0.3).eval()
@@ -79,8 +116,23 @@ def bare_forward_ms(model, batch, position, repeats=50):
     return 1000 * statistics.median(times)
 
 
+def structured(model, tok, prompt_len, max_tokens, runs=3) -> dict:
+    """32 streams free and 32 constrained by LONG_JSON, alternating (this machine is noisy): the best of `runs`
+    each, and the constrained decode step over the free one."""
+    grammar = json_grammar(LONG_JSON, "bench")
+    run_streams(model, tok, 4, 16, 8, grammar=grammar)      # warm-up: the vocabulary index, the first masks
+    free, constrained = [], []
+    for _ in range(runs):
+        free.append(run_streams(model, tok, 32, prompt_len, max_tokens))
+        constrained.append(run_streams(model, tok, 32, prompt_len, max_tokens, grammar=grammar))
+    best = lambda rs: min(rs, key=lambda r: r["step_ms"])   # noqa: E731
+    f, c = best(free), best(constrained)
+    return {"vocab": tok.vocab_size, "free": f, "json_schema": c, "step_ratio": c["step_ms"] / f["step_ms"]}
+
+
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--structured-only", action="store_true", help="only the structured-output comparison")
     p.add_argument("--json")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -88,8 +140,20 @@ def main():
     args = p.parse_args()
     torch.manual_seed(0)
     model, tok = bench_model()
+    demo, demo_tok = bench_model(tok=load_chat_tokenizer("models/demo-chat")[0])
+    big, big_tok = bench_model(tok=random_vocab(50257))
     if args.device != "cpu":
-        model = model.to(args.device, torch.bfloat16)
+        model, demo, big = (m.to(args.device, torch.bfloat16) for m in (model, demo, big))
+    shaped = [structured(m, t, args.prompt_len, args.max_tokens) for m, t in ((demo, demo_tok), (big, big_tok))]
+    for r in shaped:
+        print(f"vocab {r['vocab']:6}: 32 streams free {r['free']['tokens_per_s']:8.1f} tokens/s, decode step "
+              f"{r['free']['step_ms']:.2f} ms; all JSON-schema constrained {r['json_schema']['tokens_per_s']:8.1f} "
+              f"tokens/s, step {r['json_schema']['step_ms']:.2f} ms ({r['step_ratio']:.2f}x)")
+    if args.structured_only:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"structured_32": shaped}, f, indent=2)
+        return
     run_streams(model, tok, 2, 16, 8)   # warm-up
     one = run_streams(model, tok, 1, args.prompt_len, args.max_tokens)
     many = run_streams(model, tok, 32, args.prompt_len, args.max_tokens)
@@ -102,12 +166,13 @@ def main():
     result = {
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"
                    + (f", {torch.cuda.get_device_name()}" if args.device != "cpu" else ""),
-        "model": "nanochat 4 layers x 256, vocab 2048, " + ("fp32 CPU" if args.device == "cpu" else "bf16 " + args.device),
+        "model": f"nanochat 4 layers x 256, vocab {tok.vocab_size}, " + ("fp32 CPU" if args.device == "cpu" else "bf16 " + args.device),
         "single": one, "concurrent_32": many,
         "speedup_32_vs_1": many["tokens_per_s"] / one["tokens_per_s"],
         "bare_forward_ms_b32": bare,
         "step_over_bare": many["step_ms"] / bare if many["step_ms"] else None,
         "extras_32": extras,
+        "structured_32": shaped,
     }
     print(f"{'':24}{'1 stream':>12}{'32 streams':>12}")
     print(f"{'tokens/s':24}{one['tokens_per_s']:12.1f}{many['tokens_per_s']:12.1f}")

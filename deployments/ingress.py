@@ -174,7 +174,7 @@ class Ingress:
         info = await self._chat_model(req.model)
         self._check_messages(req, info)
         self._check_sampling(req, req.max_completion_tokens or req.max_tokens, info)
-        gen = GenerateRequest(self._params(req, info), messages=req.prompt_messages())
+        gen = GenerateRequest(await self._params(req, info), messages=req.prompt_messages())
         completion = Completion(info["id"], req.n, logprobs=req.logprobs, tools=req.tool_plan)
         return await self._generate(gen, completion, req, slot, resumable=req.n == 1)
 
@@ -197,7 +197,7 @@ class Ingress:
         if req.echo:
             echo = [p if isinstance(p, str) else await self.chat.detokenize.remote(p) for p in prompts]
         completion = TextCompletion(info["id"], req.n, len(prompts), logprobs=req.logprobs is not None, echo=echo)
-        gen = GenerateRequest(self._params(req, info),
+        gen = GenerateRequest(await self._params(req, info),
                               prompts=tuple(p if isinstance(p, str) else tuple(p) for p in prompts))
         return await self._generate(gen, completion, req, slot, resumable=req.n == 1 and len(prompts) == 1)
 
@@ -230,9 +230,14 @@ class Ingress:
             raise APIError(error(f"n must be at most {min(limits.max_n, info['max_n'])}", param="n"))
 
     @staticmethod
-    def _params(req, info: dict) -> SamplingParams:
-        """The request's SamplingParams with the chat model's defaults; a value out of range is a 400 naming it."""
+    async def _params(req, info: dict) -> SamplingParams:
+        """The request's SamplingParams with the chat model's defaults; a value out of range, or a structured
+        output that cannot be enforced, is a 400 naming it. A grammar is checked on a worker thread (a large
+        schema takes milliseconds to compile, which the event loop does not wait for)."""
+        structured = req.response_format is not None or getattr(req, "tools", None)
         try:
+            if structured:
+                return await asyncio.to_thread(req.to_params, info["sampling_defaults"])
             return req.to_params(info["sampling_defaults"])
         except SamplingError as e:
             raise APIError(error(str(e), param=e.param)) from None

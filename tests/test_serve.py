@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 import pytest
 import torch
 
-from core.chat import load_chat_model, save_chat_model
+from core.chat import load_chat_model, load_chat_tokenizer, save_chat_model
 from tests.conftest import tiny_model
 from tests.decision_fixtures import build_checkpoint
 from tests.systemone_requests import REQUESTS, check_answers
@@ -796,7 +796,12 @@ def test_responses_follow_openais_published_schema(service):
         checked += 1
 
     openai_validator("ListModelsResponse").validate(httpx.get(f"{service}/v1/models").json())
-    for extra in ({}, {"n": 2, "seed": 3, "temperature": 1.0}, {"logprobs": True, "top_logprobs": 2}):
+    tools = {"tools": TOOLS, "max_tokens": 200, "seed": 2, "temperature": 1.0}
+    for extra in ({}, {"n": 2, "seed": 3, "temperature": 1.0}, {"logprobs": True, "top_logprobs": 2},
+                  dict(tools, tool_choice={"type": "function", "function": {"name": "add"}}, logprobs=True),
+                  dict(tools, tool_choice="required", n=2), dict(tools, tool_choice="none", max_tokens=6),
+                  {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+                   "max_tokens": 120}):
         body = {"messages": user(), "max_tokens": 6, **extra}
         check(chat_schema, chat(service, body).json())
         stream = dict(body, stream=True, stream_options={"include_usage": True})
@@ -814,7 +819,7 @@ def test_responses_follow_openais_published_schema(service):
         assert events[-1] == "[DONE]"
         for event in events[:-1]:
             check(text_chunk_schema, event)
-    assert checked > 40
+    assert checked > 60
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_an_uncached_forward(service):
@@ -896,3 +901,149 @@ def test_lm_eval_multiple_choice_through_the_service(service, tmp_path, monkeypa
             compared += 1
     assert compared == sum(len(d["choices"]) for d in LM_EVAL_DOCS)
     assert "acc,none" in results["results"]["startlux_pick"]
+
+
+# ---- structured outputs and tool calls over HTTP
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2}},
+          "required": ["name", "age", "pets"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "the weather in a city", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                              "unit": {"enum": ["c", "f"]}},
+             "required": ["city", "unit"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                              "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+             "required": ["a", "b"], "additionalProperties": False}}}]
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def streamed_choices(url, route, body):
+    """A streamed response gathered per choice: content text, tool calls (by index, arguments joined), finish."""
+    with httpx.stream("POST", f"{url}{route}", json=dict(body, stream=True), timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    out = {}
+    for ev in events[:-1]:
+        for c in ev["choices"]:
+            o = out.setdefault(c["index"], {"content": "", "calls": {}, "finish": None})
+            delta = c.get("delta", {})
+            o["content"] += delta.get("content") or c.get("text") or ""
+            for d in delta.get("tool_calls") or []:
+                call = o["calls"].setdefault(d["index"], {"id": None, "name": None, "arguments": ""})
+                if "id" in d:
+                    assert call["id"] is None and d["type"] == "function"     # id and name come once, first
+                    call["id"], call["name"] = d["id"], d["function"]["name"]
+                call["arguments"] += d["function"]["arguments"]
+            o["finish"] = c["finish_reason"] or o["finish"]
+    return out
+
+
+def test_json_schema_response_format_streamed_and_not(service):
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    body = {"messages": user("describe a person"), "max_tokens": 120, "temperature": 1.0, "seed": 4, "n": 2,
+            "response_format": fmt}
+    whole = chat(service, body).json()
+    streamed = streamed_choices(service, "/v1/chat/completions", body)
+    for c in whole["choices"]:
+        assert c["finish_reason"] == "stop", c
+        jsonschema.validate(json.loads(c["message"]["content"]), PERSON)
+        assert streamed[c["index"]]["content"] == c["message"]["content"]
+    assert whole["choices"][0]["message"]["content"] != whole["choices"][1]["message"]["content"]
+    # raw completions take a response_format too; a length cut says so
+    text = httpx.post(f"{service}/v1/completions", json={"prompt": "a person:", "max_tokens": 120, "seed": 1,
+                                                          "temperature": 1.0, "response_format": fmt}, timeout=120).json()
+    jsonschema.validate(json.loads(text["choices"][0]["text"]), PERSON)
+    cut = chat(service, dict(body, max_tokens=4, n=1)).json()["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["message"]["content"].startswith("{")
+
+
+@pytest.mark.parametrize("fmt,param,needle", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}},
+     "response_format.json_schema.schema", "uniqueItems"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "bogus"}}},
+     "response_format.json_schema.schema", "bogus"),
+    ({"type": "grammar"}, "response_format", "json_schema"),
+])
+def test_an_unenforceable_response_format_is_a_400_naming_it(service, fmt, param, needle):
+    r = chat(service, {"messages": user(), "response_format": fmt})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param and needle in r.json()["error"]["message"]
+
+
+def test_tool_calls_named_and_required_streamed_and_not(service):
+    import jsonschema
+
+    named = {"messages": user("weather in paris?"), "tools": TOOLS, "max_tokens": 100, "temperature": 1.0, "seed": 2,
+             "tool_choice": {"type": "function", "function": {"name": "weather"}}}
+    required = dict(named, tool_choice="required", n=2, max_tokens=200)
+    for body in (named, required):
+        whole = chat(service, body).json()
+        streamed = streamed_choices(service, "/v1/chat/completions", body)
+        for c in whole["choices"]:
+            msg = c["message"]
+            assert c["finish_reason"] == "tool_calls" and msg["content"] is None and msg["tool_calls"], c
+            for call in msg["tool_calls"]:
+                assert call["type"] == "function" and call["id"].startswith("call_")
+                jsonschema.validate(json.loads(call["function"]["arguments"]), TOOL_SCHEMAS[call["function"]["name"]])
+            got = streamed[c["index"]]
+            assert got["finish"] == "tool_calls" and got["content"] == ""
+            assert [(x["name"], x["arguments"]) for x in got["calls"].values()] == \
+                [(x["function"]["name"], x["function"]["arguments"]) for x in msg["tool_calls"]]
+        if body is named:
+            assert [x["function"]["name"] for x in whole["choices"][0]["message"]["tool_calls"]] == ["weather"]
+    # text instead of calls with "none"; "auto" (the default) is refused with what to send
+    none = chat(service, dict(named, tool_choice="none", max_tokens=5)).json()["choices"][0]
+    assert none["finish_reason"] == "length" and isinstance(none["message"]["content"], str)
+    assert "tool_calls" not in none["message"]
+    for choice in ("auto", None):
+        r = chat(service, {k: v for k, v in dict(named, tool_choice=choice).items() if v is not None})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+        assert '"required"' in r.json()["error"]["message"]
+
+
+def test_an_agent_loop_sends_calls_and_results_back(service):
+    """The OpenAI SDK's agent loop: a forced call, its result sent back as a tool message, then a text answer."""
+    _, client = openai_client(service)
+    messages = user("weather in paris?")
+    first = client.chat.completions.create(model="chat", messages=messages, tools=TOOLS, max_tokens=100,
+                                           tool_choice={"type": "function", "function": {"name": "weather"}})
+    call = first.choices[0].message.tool_calls[0]
+    assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "weather"
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    second = client.chat.completions.create(model="chat", messages=messages, tools=TOOLS, tool_choice="none",
+                                            max_tokens=6)
+    assert second.choices[0].message.content and second.choices[0].finish_reason == "length"
+    r = chat(service, {"messages": user() + [{"role": "tool", "content": "x"}]})
+    assert r.status_code == 400 and "tool_call_id" in r.json()["error"]["message"]
+
+
+def test_langchain_with_structured_output_in_all_three_methods(service):
+    """LangChain's ChatOpenAI.with_structured_output, unmodified, in its three methods: json_schema and
+    function_calling parse into the pydantic model; json_mode parses the JSON content (a bias on "}" makes the
+    random model close its object at once, so the test does not wait on its choice of keys)."""
+    pytest.importorskip("langchain_openai")
+    from typing import Literal
+
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=10)
+        age: int = Field(ge=0, le=99)
+        pet: Literal["cat", "dog"]
+
+    llm = ChatOpenAI(base_url=f"{service}/v1", api_key="unused", model="chat", max_tokens=100, temperature=1.0,
+                     seed=3, max_retries=0)
+    for method in ("json_schema", "function_calling"):
+        got = llm.with_structured_output(Person, method=method, strict=True).invoke("describe a person")
+        assert isinstance(got, Person), (method, got)
+    close = load_chat_tokenizer(CHECKPOINTS["chat"])[0].encode("}")
+    assert len(close) == 1
+    got = llm.bind(logit_bias={close[0]: 100}).with_structured_output({"title": "anything", "type": "object"}, method="json_mode").invoke(
+        "return a JSON object")
+    assert got == {}

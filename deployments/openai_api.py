@@ -353,8 +353,8 @@ class Completion:
         if ev.finish_reason:
             if self.segment_kind[i]:       # cut off inside a calculator call
                 chunks += self._end_segment(i)
-            self.finish[i] = ("length" if ev.finish_reason == "length" else
-                              "tool_calls" if self.readers is not None else "stop")
+            complete_calls = self.readers is not None and self.readers[i].complete   # not cut by a stop string
+            self.finish[i] = ("length" if ev.finish_reason == "length" else "tool_calls" if complete_calls else "stop")
             chunks.append(self._choice_chunk(i, finish=self.finish[i]))
         return chunks
 

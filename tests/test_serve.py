@@ -995,6 +995,9 @@ def test_tool_calls_named_and_required_streamed_and_not(service):
                 [(x["function"]["name"], x["function"]["arguments"]) for x in msg["tool_calls"]]
         if body is named:
             assert [x["function"]["name"] for x in whole["choices"][0]["message"]["tool_calls"]] == ["weather"]
+    # a stop string that cuts the arguments short ends the reply as "stop", with the calls as far as they got
+    stopped = chat(service, dict(named, stop=['"'])).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["message"]["tool_calls"][0]["function"]["arguments"] == "{"
     # text instead of calls with "none"; "auto" (the default) is refused with what to send
     none = chat(service, dict(named, tool_choice="none", max_tokens=5)).json()["choices"][0]
     assert none["finish_reason"] == "length" and isinstance(none["message"]["content"], str)

@@ -66,6 +66,14 @@ SCHEMAS = [closed(s) for s in [
     {"type": "string", "minLength": 2, "maxLength": 5},
     {"type": "object", "properties": {"ok": {"type": "boolean"}, "why": {"type": "string", "maxLength": 8}},
      "required": ["ok"], "additionalProperties": False},
+    {"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 99},
+    {"type": "object", "patternProperties": {"^[a-c]$": {"type": "integer", "minimum": 0, "maximum": 9}},
+     "minProperties": 1, "maxProperties": 2},
+    {"type": "array", "prefixItems": [{"type": "boolean"}, {"enum": [1, 2]}], "items": False, "minItems": 2},
+    {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "string", "format": "uuid"}]},
+    {"allOf": [{"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 5}}},
+               {"required": ["a"]}]},
+    {"type": ["integer", "null"], "minimum": 0, "maximum": 9},
 ]]
 
 
@@ -85,14 +93,23 @@ def run(engine, requests):
     return {rid: tuple(o) for rid, o in out.items()}
 
 
+def validate(instance, schema):
+    """jsonschema's verdict, formats included (date-time, uuid: it checks them only when asked)."""
+    jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER).validate(
+        instance)
+
+
 def test_schema_table_has_breadth():
     assert len(SCHEMAS) >= 20
     for s in SCHEMAS:
         jsonschema.Draft202012Validator.check_schema(s)
+    for bad, fmt in (("2026-13-01T00:00:00Z", "date-time"), ("not-a-uuid", "uuid")):   # the reference checks them
+        with pytest.raises(jsonschema.ValidationError):
+            validate(bad, {"type": "string", "format": fmt})
 
 
 def test_every_schema_holds_at_temperature_1_on_a_random_model(tokenizer, nanochat_model):
-    """Each schema, 3 seeds, all 69 rows in continuous batches of 16: every output parses and validates."""
+    """Each schema, 3 seeds, all the rows in continuous batches of 16: every output parses and validates."""
     engine = LLMEngine(nanochat_model, tokenizer, max_rows=16)
     prompt = tokenizer.encode("tell me something")
     requests = {f"{i}/{seed}": (prompt, SamplingParams(max_tokens=120, temperature=1.0, seed=seed,
@@ -101,7 +118,7 @@ def test_every_schema_holds_at_temperature_1_on_a_random_model(tokenizer, nanoch
     for rid, (text, finish, _) in run(engine, requests).items():
         schema = SCHEMAS[int(rid.split("/")[0])]
         assert finish == "stop", (rid, schema, text)
-        jsonschema.validate(json.loads(text), schema)
+        validate(json.loads(text), schema)
 
 
 def test_the_calculator_never_runs_inside_constrained_output(tokenizer, nanochat_model):
@@ -215,6 +232,7 @@ def test_the_demo_model_greedy_follows_a_schema_and_a_tool():
     ({"type": "array", "uniqueItems": True}, "uniqueItems"), ({"not": {"type": "string"}}, "not"),
     ({"if": {"type": "string"}, "then": {"minLength": 2}}, "if"), ({"type": "string", "format": "bogus"}, "bogus"),
     ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "anyOf"), ({"type": "array", "contains": {}}, "contains"),
 ])
 def test_an_unenforceable_keyword_is_refused_by_name(schema, keyword):
     with pytest.raises(GrammarError) as e:
@@ -283,8 +301,13 @@ def test_the_tool_call_reader_streams_names_first_and_arguments_in_pieces():
         for index, _, frag in deltas:
             args[index] = args.get(index, "") + frag
         assert [json.loads(args[i]) for i in (0, 1)] == [{"a": "x}\"]{", "b": [1, {"c": None}]}, {}]
+        assert reader.complete
     named = ToolCallReader(tool_plan(tools, {"type": "function", "function": {"name": "g"}}, None))
-    assert named.feed('{"a"') == [(0, "g", '{"a"')] and named.feed(": 1}") == [(0, None, ": 1}")]
+    assert named.feed('{"a"') == [(0, "g", '{"a"')] and not named.complete
+    assert named.feed(": 1}") == [(0, None, ": 1}")] and named.complete
+    cut = ToolCallReader(tool_plan(tools, "required", None))
+    cut.feed(text[:-1])
+    assert not cut.complete and len(cut.calls) == 2
 
 
 def test_tool_calls_and_results_render_into_the_prompt(tokenizer):
@@ -297,3 +320,14 @@ def test_tool_calls_and_results_render_into_the_prompt(tokenizer):
     text = tokenizer.decode(ids)
     assert '[{"name": "weather", "arguments": {"city": "paris"}}]<|assistant_end|>' in text
     assert text.endswith("<|user_start|>Result of weather: sunny<|user_end|><|assistant_start|>")
+
+
+def test_a_prefix_cache_hit_changes_nothing(tokenizer, nanochat_model):
+    """The same seeded constrained request twice on one engine: the second reuses the prompt's cached keys and
+    values and samples the same tokens."""
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=4)
+    prompt = tokenizer.encode("the same long prompt about the cat and the dog on the mat " * 3)
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=5, grammar=json_grammar(SCHEMAS[0], "s"))
+    first, second = run_events(engine, prompt, params), run_events(engine, prompt, params)
+    assert [e.token for e in first] == [e.token for e in second]
+    assert first[0].cached_tokens == 0 and second[0].cached_tokens > len(prompt) // 2

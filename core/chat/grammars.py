@@ -53,7 +53,11 @@ def json_grammar(schema: dict, param: str) -> str:
 
 
 def _short(message: str) -> str:
-    return message.split("\n", 1)[0].removeprefix("WARNING: ").strip()
+    message = message.split("\n", 1)[0].removeprefix("WARNING: ").strip()
+    if "oneOf constraints are not supported" in message:
+        return ("oneOf (a grammar cannot check that exactly one branch matches; send anyOf when the branches "
+                "exclude each other)")
+    return message
 
 
 # ---- response_format
@@ -164,6 +168,7 @@ class ToolCallReader:
         self._in_string = self._escape = self._in_args = False
         self._head = ""           # a call object's text before its arguments
         self._fresh: dict[int, str] = {}     # arguments text added by the current feed, per call
+        self._closed = False                 # required mode: the array of calls has closed
 
     def feed(self, text: str) -> list[tuple[int, str | None, str]]:
         if self.named:
@@ -176,6 +181,17 @@ class ToolCallReader:
                 if self._char(ch):
                     grown.append(len(self.calls) - 1)
         return self._deltas(grown, text if self.named else None)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the text so far is whole calls (not cut by a length limit or a stop string)."""
+        if not self.named:
+            return self._closed
+        try:
+            json.loads(self.calls[0]["arguments"])
+            return True
+        except ValueError:
+            return False
 
     def _deltas(self, grown: list[int], named_text: str | None) -> list[tuple[int, str | None, str]]:
         out = []
@@ -206,6 +222,7 @@ class ToolCallReader:
                 return False
         elif ch in "}]":
             self._depth -= 1
+            self._closed = self._depth == 0
             if self._depth == 1 and self._in_args:          # the call object closes
                 self._in_args = False
                 return False

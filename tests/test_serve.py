@@ -540,12 +540,16 @@ def stream_text(url, body, gaps=None, started=None):
 
 def test_streams_continue_on_another_replica_when_theirs_is_killed(service, affinity):
     """Streams run on both chat replicas; one replica is killed mid-way. Every stream still ends normally, and
-    greedy and seeded ones give exactly the undisturbed run's text (the Ingress continued them elsewhere)."""
+    greedy and seeded ones give exactly the undisturbed run's text (the Ingress continued them elsewhere), a
+    JSON-schema one included (its grammar goes on where it stopped)."""
     import ray
 
     bodies = [{"messages": user(f"resume {i}"), "max_tokens": 500, "temperature": 0} for i in range(4)] + \
              [{"messages": user(f"resume seeded {i}"), "max_tokens": 500, "temperature": 1.0, "top_k": 50,
                "seed": 40 + i} for i in range(2)]
+    digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 400}
+    bodies.append({"messages": user("resume constrained"), "max_tokens": 500, "temperature": 1.0, "seed": 9,
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": digits}}})
     with ThreadPoolExecutor(len(bodies)) as pool:           # undisturbed, on the one-replica application
         reference = list(pool.map(lambda b: stream_text(service, b), bodies))
     before = httpx.get(f"{affinity}/debug/stats").json()["ingress"]["chat_streams_continued"]

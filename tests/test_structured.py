@@ -331,3 +331,12 @@ def test_a_prefix_cache_hit_changes_nothing(tokenizer, nanochat_model):
     first, second = run_events(engine, prompt, params), run_events(engine, prompt, params)
     assert [e.token for e in first] == [e.token for e in second]
     assert first[0].cached_tokens == 0 and second[0].cached_tokens > len(prompt) // 2
+
+
+def test_a_grammar_the_engine_cannot_compile_is_a_sampling_error(tokenizer, nanochat_model):
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=2)
+    for grammar in ("not a grammar", '{"grammars": [{"lark_grammar": "start: nope"}]}'):
+        with pytest.raises(SamplingError) as e:
+            engine.add_request([1, 2], SamplingParams(max_tokens=4, grammar=grammar))
+        assert e.value.param == "response_format"
+    assert not engine.has_work()

@@ -67,7 +67,10 @@ class Grammars:
 
     def matchers(self, grammar: str, n: int) -> list[llguidance.LLMatcher]:
         """`n` matchers of `grammar`, at its start; SamplingError if it does not compile."""
-        m = llguidance.LLMatcher(self.tokenizer(), grammar)
+        try:
+            m = llguidance.LLMatcher(self.tokenizer(), grammar)
+        except (ValueError, TypeError, RuntimeError) as e:      # not a grammar at all
+            raise SamplingError(f"the structured output is not a grammar: {e}", "response_format") from None
         if m.is_error():
             raise SamplingError(f"the structured output cannot be enforced: {m.get_error().splitlines()[0]}",
                                 "response_format")

@@ -30,23 +30,9 @@ def to_hf_nanochat(model):
 
 
 def to_hf_gpt2(model):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from core.chat.convert import hf_gpt2
 
-    c = model.config
-    hf = GPT2LMHeadModel(GPT2Config(vocab_size=c.vocab_size, n_positions=c.sequence_len, n_embd=c.n_embd,
-                                    n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu",
-                                    layer_norm_epsilon=c.layer_norm_eps, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
-    sd = {}
-    for k, v in model.state_dict().items():
-        if k == "lm_head.weight":
-            continue
-        # nanoGPT's nn.Linear stores (out, in); GPT-2's Conv1D stores (in, out)
-        if any(k.endswith(s) for s in ("c_attn.weight", "c_proj.weight", "c_fc.weight")):
-            v = v.t()
-        sd[k.replace("mlp.c_fc", "mlp.c_fc")] = v
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
-    assert not unexpected, unexpected
-    return hf.eval()
+    return hf_gpt2(model)
 
 
 @pytest.mark.parametrize("arch", ["nanochat", "gpt2"])

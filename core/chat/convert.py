@@ -123,6 +123,43 @@ def convert_state_dict(src: str, dst: str, arch: str, n_head: int, tokenizer: st
     save_chat_model(dst, model, tok)
 
 
+def hf_gpt2(model, bos: int | None = None, eos: int | None = None):
+    """Our gpt2-architecture network as transformers' GPT2LMHeadModel with the same weights (GPT-2 ties its head
+    to the token embedding, as ours does); `bos`, `eos`: the tokenizer's, for its config."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    c = model.config
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=c.vocab_size, n_positions=c.sequence_len, n_embd=c.n_embd,
+                                    n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu",
+                                    layer_norm_epsilon=c.layer_norm_eps, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+                                    bos_token_id=bos, eos_token_id=eos))
+    sd = {}
+    for k, v in model.state_dict().items():
+        if k == "lm_head.weight":
+            continue
+        # nanoGPT's nn.Linear stores (out, in); GPT-2's Conv1D stores (in, out)
+        if any(k.endswith(s) for s in ("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+            v = v.t()
+        sd[k] = v.contiguous()
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise CheckpointError(f"GPT-2 export: unexpected {unexpected}, missing {missing}")
+    return hf.eval()
+
+
+def export_hf_gpt2(model, checkpoint: str, dst: str) -> None:
+    """Write a gpt2-architecture checkpoint (`model`, saved at `checkpoint` in our layout) in transformers' layout
+    at `dst`, with the checkpoint's Hugging Face tokenizer files: what vLLM or transformers load."""
+    import shutil
+
+    from .checkpoint import load_chat_tokenizer
+
+    tok = load_chat_tokenizer(checkpoint)[0]
+    hf_gpt2(model, tok.bos_id, tok.encode_special("<|assistant_end|>")).save_pretrained(dst)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(checkpoint, name), os.path.join(dst, name))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m core.chat.convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

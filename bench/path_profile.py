@@ -1,0 +1,154 @@
+"""Where the serving path spends the CPU: every process of the service under the 32-stream load.
+
+    python -m bench.path_profile [--py-spy /tmp/pyspy/bin/py-spy] [--max-tokens 128] [--json out.json]
+
+Starts the service as bench.vllm_peer does (serve_config.cpu.yaml's application, HAProxy in front, the same
+random GPT-2 on the demo vocabulary), runs 32 streamed `/v1/completions` clients (token-id prompts, greedy,
+`ignore_eos`), and reads every process's CPU time from /proc before and after: CPU milliseconds per 1,000
+generated tokens per process (HAProxy, the Serve proxy and controller, the Ingress replica, the chat replica,
+its engine process, the decision replica, Ray's own), and the share of the machine each took. With --py-spy
+(py-spy is on the registry: `pip install --target /tmp/pyspy py-spy`), each Python process of the path is
+sampled during a second load and its hottest functions printed.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from bench.vllm_peer import build_checkpoints, load, prompts, start_ours
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def session_pids(sid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[3]) == sid:
+                out.append(int(entry))
+    return out
+
+
+def name_of(pid: int) -> str:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+    for key, label in (("haproxy", "HAProxy"), ("ServeReplica:startlux:Ingress", "Ingress replica"),
+                       ("ServeReplica:startlux:ChatModel", "chat replica"),
+                       ("ServeReplica:startlux:DecisionModel", "decision replica"),
+                       ("engine_process", "chat engine process"), ("ProxyActor", "Serve proxy"),
+                       ("ServeController", "Serve controller"), ("raylet", "raylet"), ("gcs_server", "GCS"),
+                       ("serve run", "serve run"), ("dashboard", "Ray dashboard"), ("log_monitor", "Ray log monitor")):
+        if key in cmd:
+            return label
+    return cmd[:40]
+
+
+def cpu_ticks(pids: list[int]) -> dict[int, int]:
+    out = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = int(fields[11]) + int(fields[12])        # utime + stime
+    return out
+
+
+def hottest(py_spy: str, pid: int, seconds: int, top: int = 15) -> tuple[float, list[tuple[str, float, float]]]:
+    """py-spy's samples of `pid`'s threads (idle ones left out) for `seconds` -> (samples per second,
+    the functions with the most samples: (function, share as the innermost Python frame, share anywhere on the
+    stack))."""
+    with tempfile.NamedTemporaryFile(suffix=".txt") as f:
+        subprocess.run([py_spy, "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "100",
+                        "--nonblocking", "--format", "raw", "--output", f.name], capture_output=True,
+                       timeout=seconds + 60)
+        own, anywhere, total = collections.Counter(), collections.Counter(), 0
+        for line in Path(f.name).read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            if not n.isdigit():
+                continue
+            frames = [fr.split(" (")[0] + " " + fr.rsplit("/", 1)[-1].rstrip(")") for fr in stack.split(";")]
+            total += int(n)
+            own[frames[-1]] += int(n)
+            for fr in set(frames):
+                anywhere[fr] += int(n)
+    if not total:
+        return 0.0, []
+    return total / seconds, [(k, v / total, anywhere[k] / total) for k, v in own.most_common(top)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--py-spy")
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--per-client", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--seconds", type=int, default=20, help="py-spy sampling time per process")
+    p.add_argument("--json")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="path-profile-"))
+    ours, _, vocab, bos = build_checkpoints(work)
+    ids = prompts(args.streams * args.per_client, min(vocab, bos), bos)
+    server = start_ours(ours, work)
+    result = {}
+    try:
+        server.wait_ready()
+        asyncio.run(load(server.url, None, 4, 1, 8, ids))
+        pids = session_pids(server.proc.pid)
+        before, t0 = cpu_ticks(pids), time.perf_counter()
+        run = asyncio.run(load(server.url, None, args.streams, args.per_client, args.max_tokens, ids))
+        after, wall = cpu_ticks(pids), time.perf_counter() - t0
+        per = collections.defaultdict(float)
+        for pid, t in after.items():
+            per[name_of(pid)] += (t - before.get(pid, t)) / TICK
+        ktok = run["tokens"] / 1000
+        print(f"{args.streams} streams x {args.max_tokens} tokens: {run['tokens_per_s']:.1f} tokens/s, "
+              f"TTFT p50 {run['ttft_p50_ms']:.1f} ms, {wall:.1f} s, {os.cpu_count()} cores")
+        print(f"{'process':26}{'CPU s':>8}{'ms / 1k tokens':>16}{'of the machine':>16}")
+        rows = sorted(per.items(), key=lambda kv: -kv[1])
+        for name, cpu in rows:
+            print(f"{name:26}{cpu:8.2f}{1000 * cpu / ktok:16.1f}{100 * cpu / (wall * os.cpu_count()):15.1f}%")
+        result = {"run": run, "wall_s": wall, "cpu_s": dict(rows)}
+        if args.py_spy:
+            by_name = {}
+            for pid in pids:
+                by_name.setdefault(name_of(pid), pid)
+            targets = [n for n in ("Ingress replica", "chat replica", "chat engine process", "Serve proxy")
+                       if n in by_name]
+            loader = asyncio.new_event_loop()
+            for name in targets:
+                task = loader.create_task(load(server.url, None, args.streams, 10 ** 6 // args.streams,
+                                               args.max_tokens, ids))
+                loader.run_until_complete(asyncio.sleep(3))
+                rate, top = hottest(args.py_spy, by_name[name], args.seconds)
+                task.cancel()
+                try:
+                    loader.run_until_complete(task)
+                except (asyncio.CancelledError, Exception):
+                    pass
+                print(f"== {name} (pid {by_name[name]}): {rate:.0f} busy samples/s at 100/s per thread; "
+                      f"innermost frame, and anywhere on the stack")
+                for frame, share, inclusive in top:
+                    print(f"{100 * share:6.1f}% {100 * inclusive:6.1f}%  {frame}")
+                result.setdefault("py_spy", {})[name] = {"gil_samples_per_s": rate, "top": top}
+    finally:
+        server.stop()
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

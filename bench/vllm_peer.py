@@ -112,16 +112,18 @@ class Server:
         self.log.close()
 
 
-def start_ours(checkpoint: Path, work: Path) -> Server:
+def start_ours(checkpoint: Path, work: Path, args: dict | None = None, env: dict | None = None) -> Server:
+    """serve_config.cpu.yaml's service on `checkpoint`; `args` override the application's arguments (e.g.
+    chat_stream_interval), `env` adds to the environment (e.g. one of Serve's RAY_SERVE_ settings)."""
     cfg = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())
     port = free_port()
     cfg["http_options"]["port"] = port
-    cfg["applications"][0]["args"]["chat_checkpoint"] = str(checkpoint)
+    cfg["applications"][0]["args"].update(chat_checkpoint=str(checkpoint), **(args or {}))
     config = work / "serve_config.yaml"
     config.write_text(yaml.safe_dump(cfg))
     env = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-           "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port())}
+           "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()), **(env or {})}
     return Server([str(Path(sys.executable).parent / "serve"), "run", str(config)], env, work / "ours.log",
                   f"http://127.0.0.1:{port}", "/healthz")
 
@@ -129,8 +131,9 @@ def start_ours(checkpoint: Path, work: Path) -> Server:
 def start_vllm(python: str, checkpoint: Path, work: Path) -> Server:
     port = free_port()
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-            "--max-model-len", "1024", "--served-model-name", "peer", "--max-num-seqs", "32"]
-    return Server(argv, {"VLLM_CPU_KVCACHE_SPACE": "1"}, work / "vllm.log", f"http://127.0.0.1:{port}", "/health")
+            "--max-model-len", "1024", "--served-model-name", "peer", "--max-num-seqs", "32",
+            "--gpu-memory-utilization", "0.3"]
+    return Server(argv, VLLM_ENV, work / "vllm.log", f"http://127.0.0.1:{port}", "/health")
 
 
 def prompts(n: int, vocab_ordinary: int, bos: int, seed: int = 0) -> list[list[int]]:
@@ -187,11 +190,15 @@ def measure(server: Server, model: str, args, ids) -> dict:
     return out
 
 
+# vLLM's CPU backend checks that the share of memory it may use (--gpu-memory-utilization, 0.92 by default) is free
+# on the NUMA node at start: on a shared 2-core host it often is not, so both runs ask for 0.3 and a 1 GiB KV cache
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
 VLLM_OFFLINE = """
 import json, sys, time
 from vllm import LLM, SamplingParams
 path, ids, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-llm = LLM(model=path, dtype="float32", max_model_len=1024, max_num_seqs=len(ids))
+llm = LLM(model=path, dtype="float32", max_model_len=1024, max_num_seqs=len(ids), gpu_memory_utilization=0.3)
 params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 llm.generate([{"prompt_token_ids": p} for p in ids[:4]], SamplingParams(max_tokens=8, temperature=0))
 t0 = time.perf_counter()
@@ -228,7 +235,8 @@ def ours_offline(checkpoint: Path, ids: list[list[int]], max_tokens: int, thread
 
 def vllm_offline(python: str, checkpoint: Path, ids: list[list[int]], max_tokens: int) -> float | None:
     out = subprocess.run([python, "-c", VLLM_OFFLINE, str(checkpoint), json.dumps(ids), str(max_tokens)],
-                         capture_output=True, text=True, timeout=900, start_new_session=True)
+                         capture_output=True, text=True, timeout=900, start_new_session=True,
+                         env={**os.environ, **VLLM_ENV})
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])["tokens_per_s"]

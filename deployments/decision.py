@@ -3,19 +3,27 @@
 Concurrent requests are collected into the scorer's `decide_batch` (which sends a batch of one through
 `decide`, so on a GPU it replays a CUDA graph). `max_batch_size` and `batch_wait_timeout_s` are live settings
 (`user_config` -> `reconfigure`, BatchSettings); the deployment's `max_ongoing_requests` must be at least the
-batch size or batches could never fill. The model runs on a worker thread, off the event loop.
+batch size or batches could never fill.
+
+Serve's batcher forms a batch as soon as its wait ends, and a batch formed while the model is busy waits
+whole for its turn: under steady load each holds the requests of one wait (10 ms), and the model ran batches
+of one or two (bench/README.md). So each batch Serve forms goes to a `BatchMerger` at once, which runs one
+`decide_batch` at a time over every request that has come while the one before ran (up to `max_batch_size`).
+The model runs in a child process of the replica
+(core/decision/process.py: on a thread, the replica's event loop and the model took turns on one GIL and the
+batches stayed small), or with `decision_process: false` on a worker thread of the replica.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
+import asyncio
 from collections import Counter as Tally
 
-import torch
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from core.decision import DecisionValidationError, StartLuxDecision
+from core.decision import DecisionValidationError
+from core.decision.process import Start, start_scorer
 
 from .errors import error
 from .settings import BatchSettings, DecisionSettings, checkpoint_time
@@ -33,13 +41,53 @@ def validation_error(e: DecisionValidationError) -> dict:
     return body
 
 
+class BatchMerger:
+    """Runs `run(items) -> results` one call at a time; items submitted while a call runs go together into the
+    next one, up to `max_size` (a submission is never split; one larger than max_size runs alone)."""
+
+    def __init__(self, run, max_size: int):
+        self.run, self.max_size = run, max_size
+        self._pending: list[tuple[list, list[asyncio.Future]]] = []
+        self._task: asyncio.Task | None = None
+
+    def submit(self, items: list) -> list[asyncio.Future]:
+        """A future of each item's result (or of the call's exception)."""
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in items]
+        self._pending.append((list(items), futures))
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._drain())
+        return futures
+
+    async def _drain(self) -> None:
+        while self._pending:
+            items, futures = [], []
+            while self._pending and (not items or len(items) + len(self._pending[0][0]) <= self.max_size):
+                more, their = self._pending.pop(0)
+                live = [(x, f) for x, f in zip(more, their) if not f.done()]     # a caller gone: not run
+                items += [x for x, _ in live]
+                futures += [f for _, f in live]
+            if not items:
+                continue
+            try:
+                results = await self.run(items)
+            except Exception as e:
+                for f in futures:
+                    if not f.done():
+                        f.set_exception(e)
+                continue
+            for f, r in zip(futures, results):
+                if not f.done():
+                    f.set_result(r)
+
+
 @serve.deployment(name="DecisionModel")
 class DecisionModel:
     def __init__(self, settings: DecisionSettings):
         """settings: the decision part of AppArgs; its `scorer` record goes to the scorer whole."""
-        if settings.torch_threads:   # Ray sets OMP_NUM_THREADS to the replica's whole CPUs (at least 1) otherwise
-            torch.set_num_threads(settings.torch_threads)
-        self.scorer = StartLuxDecision(settings.checkpoint, settings.scorer, device=settings.device)
+        # torch_threads None: Ray's OMP_NUM_THREADS (the replica's whole CPUs, at least 1), which the child inherits
+        start = Start(settings.checkpoint, settings.scorer, settings.device, settings.torch_threads)
+        self.scorer = start_scorer(start, settings.process)
         self.name, self.aliases = settings.model_name, list(settings.model_aliases)
         self.batch_sizes: Tally = Tally()
         self.batch_size_metric = Histogram("decision_batch_size", "Requests per decision batch.",
@@ -52,50 +100,60 @@ class DecisionModel:
         self.prefix_bytes_metric = Gauge("decision_prefix_cache_bytes", "Bytes of prefix states held.",
                                          tag_keys=("model",))
         self._reported = {"query_tokens": 0, "hit_tokens": 0}
+        self.merger = BatchMerger(self._run, BATCH.max_batch_size)
         for m in (self.batch_size_metric, self.questions_metric, self.prefix_queries_metric, self.prefix_hits_metric,
                   self.prefix_bytes_metric):
             m.set_default_tags({"model": self.name})   # a fresh dict each: Serve mutates it
-        logger.info("decision model loaded on %s (kernels: %s)", self.scorer.device, self.scorer.kernels)
+        logger.info("decision model loaded (%s, %s)", type(self.scorer).__name__, self.scorer.info)
 
     def reconfigure(self, user_config: dict) -> None:
         batch = BatchSettings.model_validate(user_config or {})
         self._batched.set_max_batch_size(batch.max_batch_size)
+        self.merger.max_size = batch.max_batch_size
         self._batched.set_batch_wait_timeout_s(batch.batch_wait_timeout_s)
 
     def info(self) -> dict:
-        return {"id": self.name, "created": checkpoint_time(self.scorer.path), "aliases": self.aliases,
-                "max_length": self.scorer.max_length,
-                "torch_threads": torch.get_num_threads()}
+        info = self.scorer.info
+        return {"id": self.name, "created": checkpoint_time(info["path"]), "aliases": self.aliases,
+                "max_length": info["max_length"], "torch_threads": info["torch_threads"]}
 
     def stats(self) -> dict:
         return {"batches": sum(self.batch_sizes.values()), "largest_batch": max(self.batch_sizes, default=0),
                 "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
-                "prefix_cache": self.scorer.prefix_cache.stats()}
+                "scorer": type(self.scorer).__name__, "prefix_cache": self.scorer.prefix_stats()}
+
+    def check_health(self) -> None:
+        if not self.scorer.alive():
+            raise RuntimeError("the decision process has stopped")
 
     async def decide(self, request: dict) -> dict:
         """{"state", "questions"} -> {"model", "answers", "usage"} or {"error": ...}."""
-        return await self._batched(request)
+        return await (await self._batched(request))
 
     @serve.batch(max_batch_size=BATCH.max_batch_size, batch_wait_timeout_s=BATCH.batch_wait_timeout_s)
-    async def _batched(self, requests: list[dict]) -> list[dict]:
+    async def _batched(self, requests: list[dict]) -> list[asyncio.Future]:
+        """Serve's batch, handed on at once (so the next one can form): a future of each request's answer."""
+        return self.merger.submit(requests)
+
+    async def _run(self, requests: list[dict]) -> list[dict]:
+        """One decide_batch over the merged requests."""
         self.batch_sizes[len(requests)] += 1
         self.batch_size_metric.observe(len(requests))
         try:
-            return await asyncio.to_thread(self._run, requests)
+            pairs = [(r.get("state"), r.get("questions")) for r in requests]
+            return self._answers(await self.scorer.decide_batch(pairs))
         finally:
             self._report_prefix_cache()
 
     def _report_prefix_cache(self) -> None:
-        stats = self.scorer.prefix_cache.stats()
+        stats = self.scorer.prefix_stats()
         for key, metric in (("query_tokens", self.prefix_queries_metric), ("hit_tokens", self.prefix_hits_metric)):
             if stats[key] > self._reported[key]:
                 metric.inc(stats[key] - self._reported[key])
                 self._reported[key] = stats[key]
         self.prefix_bytes_metric.set(stats["bytes"])
 
-    def _run(self, requests: list[dict]) -> list[dict]:
-        results = self.scorer.decide_batch([(r.get("state"), r.get("questions")) for r in requests],
-                                           with_usage=True, return_exceptions=True)
+    def _answers(self, results: list) -> list[dict]:
         out = []
         for res in results:
             if isinstance(res, DecisionValidationError):
@@ -105,3 +163,8 @@ class DecisionModel:
                 self.questions_metric.inc(len(answers))
                 out.append({"model": self.name, "answers": answers, "usage": usage})
         return out
+
+    def __del__(self):
+        scorer = getattr(self, "scorer", None)
+        if scorer is not None:
+            scorer.shutdown()

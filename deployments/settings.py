@@ -81,6 +81,7 @@ class DecisionSettings(BaseModel):
     model_aliases: list[str] = []                   # other names clients may send as `model` (e.g. "jev-latest")
     device: str | None = None
     torch_threads: int | None = None                # torch intra-op threads of the model (None: Ray's default)
+    process: bool = True                            # the model in a child process of the replica (off: a thread)
     scorer: DecisionConfig = DecisionConfig()
 
     @model_validator(mode="before")

@@ -216,6 +216,22 @@ def test_decisions_are_batched(service):
     stats = httpx.get(f"{service}/debug/stats").json()["decision"]
     assert stats["largest_batch"] > 1
 
+    # closed-loop clients: what arrives while a batch runs goes into the next one (Serve alone formed batches of
+    # one 10 ms wait each, which then queued), so there are far fewer batches than requests
+    async def closed_loop():
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def one_client(c):
+                for k in range(6):
+                    r = await client.post(f"{service}/v1/systemone", json=decision_body(100 * c + k))
+                    assert r.status_code == 200, r.text
+            await asyncio.gather(*(one_client(c) for c in range(8)))
+
+    before = httpx.get(f"{service}/debug/stats").json()["decision"]["batches"]
+    asyncio.run(closed_loop())
+    after = httpx.get(f"{service}/debug/stats").json()["decision"]
+    assert after["scorer"] == "ProcessScorer"
+    assert after["batches"] - before <= 48 / 2, after
+
 
 def test_repeated_state_is_served_from_the_prefix_cache(service):
     body = {"state": "a long shared document " * 40, "questions": {"q": {"instructions": "which", "criteria": {

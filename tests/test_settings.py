@@ -80,18 +80,24 @@ def test_decision_values_reach_the_scorer_and_the_batcher(name):
     settings = AppArgs.model_validate(args).decision
     assert settings.device == args.get("device")
     demo = settings.model_copy(update={"checkpoint": os.path.join(DEMO, "demo-decision"), "device": "cpu"})
-    threads = torch.get_num_threads()
+    assert demo.process == expect(args, "decision_process", True)
+    model = DecisionModel.func_or_class(demo)        # the scorer in its child process, as deployed
     try:
-        model = DecisionModel.func_or_class(demo)
-        assert torch.get_num_threads() == expect(args, "decision_torch_threads", threads)
+        _check_decision_model(model, args, deps)
     finally:
-        torch.set_num_threads(threads)
+        model.scorer.shutdown()
+
+
+def _check_decision_model(model, args, deps):
     d = DecisionConfig()
-    scorer = model.scorer
-    assert scorer.max_length == expect(args, "decision_max_length", d.max_length)
-    assert scorer.max_batch_tokens == expect(args, "decision_max_batch_tokens", d.max_batch_tokens)
-    assert scorer.prefix_cache.capacity_bytes == int(expect(args, "decision_prefix_cache_mb", d.prefix_cache_mb) * 2 ** 20)
-    assert scorer.config.graphs == expect(args, "decision_graphs", d.graphs)
+    info = model.scorer.info                         # reported by the scorer's own process
+    assert info["pid"] != os.getpid()
+    if "decision_torch_threads" in args:
+        assert info["torch_threads"] == args["decision_torch_threads"]
+    assert info["max_length"] == expect(args, "decision_max_length", d.max_length)
+    assert info["max_batch_tokens"] == expect(args, "decision_max_batch_tokens", d.max_batch_tokens)
+    assert info["prefix_cache_bytes"] == int(expect(args, "decision_prefix_cache_mb", d.prefix_cache_mb) * 2 ** 20)
+    assert info["graphs"] == expect(args, "decision_graphs", d.graphs)
     assert model.name == expect(args, "decision_model_name", "startlux-decision")
     assert model.aliases == expect(args, "decision_model_aliases", [])
     user = deps["DecisionModel"].get("user_config", {})

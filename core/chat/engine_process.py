@@ -5,7 +5,7 @@ small model is mostly Python and operator dispatch, every operator hands the GIL
 streaming work then delays the step (and the step delays the loop); on a small CPU host that makes the
 chat replica the service's bottleneck (bench/README.md). `ProcessEngine`
 runs `LLMEngine` in a child process of its own, as vLLM's engine core does, and talks to it over a private
-socket pair:
+socket pair (core/child.py):
 
     parent -> child   Start once, then Add | Abort | Stop
     child -> parent   Ready | Failed once, then Events | Rejected | Stats
@@ -20,22 +20,18 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import subprocess
 import sys
 import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
 
+from ..child import Child, child_main
 from .async_engine import STATS_PERIOD_S, AsyncEngine, EngineClient
 from .protocol import (Abort, Add, EngineDied, EngineError, EngineFull, EngineStats, Events, Failed,
                        Ready, Rejected, SamplingError, SamplingParams, Start, Stats, Stop)
 
 logger = logging.getLogger(__name__)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # holds the `core` package
-
 
 def build_engine(start: Start):
     """The engine `start` describes, built in the calling process (torch threads set, weights loaded)."""
@@ -94,53 +90,21 @@ class ProcessEngine(EngineClient):
         self.start = start
         self.max_rows = start.config.max_rows
         self._stats = EngineStats(0, 0, 0, start.config.max_rows, 0, 0)
-        self._send_lock = threading.Lock()
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "core.chat.engine_process", str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], env=env, cwd=ROOT)
-        theirs.close()
-        self._conn = Connection(ours.detach())
-        self._closed = self._stopping = False
-        try:
-            self._send(start)
-            self.info = self._wait_ready(start_timeout_s)
-        except BaseException:
-            self._kill()
-            raise
+        self.child = Child("core.chat.engine_process", "the chat engine process", start, Ready, start_timeout_s)
+        self.info = self.child.ready
+        self.proc = self.child.proc
         self._reader = threading.Thread(target=self._read, name="chat-engine-reader", daemon=True)
         self._reader.start()
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
-
-    def _wait_ready(self, timeout_s: float) -> Ready:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._conn.poll(0.5):
-                try:
-                    msg = self._conn.recv()
-                except EOFError:
-                    break
-                if isinstance(msg, Ready):
-                    return msg
-                raise RuntimeError(f"the chat engine process failed to start:\n{msg.message}")
-            if self.proc.poll() is not None:
-                break
-        raise RuntimeError(f"the chat engine process did not start (exit code {self.proc.poll()})")
-
-    def _send(self, msg) -> None:
-        with self._send_lock:
-            if self._closed:
-                raise EngineDied("the chat engine process has stopped")
-            self._conn.send(msg)
+        return self.child.pid
 
     def _read(self) -> None:
         """The reader thread: blocks on the socket (without the GIL) and routes what the child sends."""
         while True:
             try:
-                msg = self._conn.recv()
+                msg = self.child.conn.recv()
             except (EOFError, OSError):
                 break
             match msg:
@@ -152,54 +116,31 @@ class ProcessEngine(EngineClient):
                     self._stats = stats
                     if self.on_stats is not None:
                         self.on_stats(stats)
-        self._closed = True
-        if not self._stopping:
-            logger.error("lost the connection to the chat engine process %d", self.proc.pid)
+        self.child.closed = True
+        if not self.child.stopping:
+            logger.error("lost the connection to the chat engine process %d", self.pid)
         # nobody waits forever: every open request ends with an error
         for rid in list(self._queues):              # one exception per request: each is raised in its own task
             self._fail([rid], EngineDied("the chat engine process stopped"))
 
     def _submit(self, prompt: list[int], params: SamplingParams, rid: str, resume: list[int] | None) -> None:
-        self._send(Add(rid, list(prompt), params, tuple(resume or ())))
+        self.child.send(Add(rid, list(prompt), params, tuple(resume or ())), EngineDied)
 
     def _cancel(self, rid: str) -> None:
         try:
-            self._send(Abort(rid))
-        except (EngineDied, OSError):
+            self.child.send(Abort(rid), EngineDied)
+        except EngineDied:
             pass
 
     def stats(self) -> EngineStats:
         return self._stats
 
     def alive(self) -> bool:
-        return not self._closed and self.proc.poll() is None
+        return self.child.alive()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask the child to stop, then make sure: it is killed by its pid if it has not exited in time."""
-        self._stopping = True
-        try:
-            self._send(Stop())
-        except (EngineDied, OSError):
-            pass
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self._kill()
-        self._close()
-
-    def _kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        self._close()
-
-    def _close(self) -> None:
-        with self._send_lock:
-            self._closed = True
-            try:
-                self._conn.close()
-            except OSError:
-                pass
+        self.child.stop(Stop(), timeout_s)
 
 
 # ---- the child side
@@ -254,13 +195,7 @@ def serve_engine(conn: Connection) -> None:
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s chat-engine %(levelname)s %(message)s")
-    conn = Connection(int(argv[0]))
-    try:
-        serve_engine(conn)
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        pass                                        # the parent went away: nothing left to serve
-    return 0
+    return child_main(argv, serve_engine, "chat-engine")
 
 
 if __name__ == "__main__":

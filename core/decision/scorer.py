@@ -52,6 +52,9 @@ class DecisionValidationError(ValueError):
         self.errors = dict(errors)
         super().__init__("; ".join(f"{k}: {v}" for k, v in self.errors.items()))
 
+    def __reduce__(self):          # rebuilt from its errors (it crosses from the decision process)
+        return (DecisionValidationError, (self.errors,))
+
 
 class SlowKernelsError(RuntimeError):
     pass

@@ -1,0 +1,140 @@
+"""Decisions through the service against `decide_batch` offline, on the same requests.
+
+    python -m bench.decision_path [--rounds 2] [--clients 32] [--set KEY=VALUE ...] [--json out.json]
+
+Two workloads: `cheap` (small states of a few dozen tokens, 3 questions each (choice, noul, score), and about
+half of the states sent before: the requests whose cost is mostly the path's) and `client` (bench.decision's
+client-shaped workload: states of 200-2,000 tokens, 1-8 questions, a quarter repeated). Each round starts the
+service as serve_config.cpu.yaml does (HAProxy in front; `--set` overrides an application argument), sends
+each workload from `--clients` closed-loop clients, stops it, then runs the same requests offline through a
+fresh scorer built with the service's decision settings, in batches of the deployment's batch size, with the
+machine to itself. A round's requests are new to both (seed per round), so both start with an empty prefix
+cache. Prints questions/s of each and the service's share of offline.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from bench.decision import client_workload, count_questions
+from bench.systemone import load
+from bench.vllm_peer import ROOT, build_checkpoints, start_ours
+
+WORDS = "the a red blue green cat dog box door light room open closed small big left right near far".split()
+
+OFFLINE = """
+import json, sys, time
+import torch
+from deployments.settings import AppArgs, BatchSettings
+from core.decision import StartLuxDecision
+args, reqs = json.loads(sys.argv[1]), json.loads(open(sys.argv[2]).read())
+d = AppArgs.model_validate(args).decision
+if d.torch_threads:
+    torch.set_num_threads(d.torch_threads)
+scorer = StartLuxDecision(d.checkpoint, d.scorer, device=d.device)
+batch = BatchSettings().max_batch_size
+scorer.decide_batch([("a warm-up state of no request", reqs[0]["questions"])] * 2)
+t0 = time.perf_counter()
+for i in range(0, len(reqs), batch):
+    scorer.decide_batch([(r["state"], r["questions"]) for r in reqs[i:i + batch]])
+print("RESULT", json.dumps({"seconds": time.perf_counter() - t0}))
+"""
+
+
+def cheap_workload(n: int, seed: int) -> list[dict]:
+    """n small requests: 3 questions over a state of 8-40 words, about half of the states repeated."""
+    rng = random.Random(seed)
+    states: list[str] = []
+    out = []
+    for _ in range(n):
+        if states and rng.random() < 0.5:
+            state = rng.choice(states)
+        else:
+            state = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40)))
+            states.append(state)
+        out.append({"state": state, "questions": {
+            "color": {"instructions": "which color is the cat", "criteria": {"r": "red", "b": "blue", "g": "green"}},
+            "open": {"type": "noul", "instructions": "is the door open"},
+            "size": {"type": "score", "instructions": "how big is the room", "criteria": ["small", "medium", "big"]}}})
+    return out
+
+
+def offline_seconds(app_args: dict, reqs: list[dict], work: Path) -> float:
+    path = work / "reqs.json"
+    path.write_text(json.dumps(reqs))
+    out = subprocess.run([sys.executable, "-c", OFFLINE, json.dumps(app_args), str(path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=1800)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])["seconds"]
+    raise RuntimeError(out.stderr[-3000:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--cheap-per-client", type=int, default=24)
+    p.add_argument("--client-per-client", type=int, default=3)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an application argument over serve_config.cpu.yaml's (YAML value)")
+    p.add_argument("--offline-threads", type=int, nargs="*", default=[1, 2],
+                   help="torch thread counts to run offline besides the service's own")
+    p.add_argument("--json")
+    args = p.parse_args()
+    from transformers import AutoTokenizer
+
+    overrides = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+    app_args = {**yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())["applications"][0]["args"],
+                **overrides}
+    tok = AutoTokenizer.from_pretrained(str(ROOT / decision_checkpoint(app_args)))
+    work = Path(tempfile.mkdtemp(prefix="decision-path-"))
+    chat, *_ = build_checkpoints(work)
+    rows = []
+    for r in range(args.rounds):
+        workloads = {"cheap": cheap_workload(args.clients * args.cheap_per_client, 1000 + r),
+                     "client": client_workload(args.clients * args.client_per_client, 2000 + r,
+                                               count=lambda t: len(tok.encode(t, add_special_tokens=False)))}
+        server = start_ours(chat, work, overrides)
+        service = {}
+        try:
+            server.wait_ready()
+            warm = cheap_workload(8, 99)
+            asyncio.run(load(server.url, warm, 4))
+            for name, reqs in workloads.items():
+                service[name] = asyncio.run(load(server.url, reqs, args.clients))
+        finally:
+            server.stop()
+        own = app_args.get("decision_torch_threads")
+        for name, reqs in workloads.items():
+            s = service[name]
+            offline = {t: count_questions(reqs) / offline_seconds({**app_args, "decision_torch_threads": t}, reqs, work)
+                       for t in sorted({own, *args.offline_threads} - {None})}
+            rows.append({"round": r + 1, "workload": name, "service_threads": own, "service_qps": s["questions_per_s"],
+                         "p50_ms": s["p50_ms"], "offline_qps_by_threads": offline})
+            shares = ", ".join(f"{t} thread{'s' * (t > 1)} {q:.1f} ({100 * s['questions_per_s'] / q:.0f}%)"
+                               for t, q in offline.items())
+            print(f"round {r + 1} {name:6}: service ({own} threads) {s['questions_per_s']:6.1f} questions/s "
+                  f"(p50 {s['p50_ms']:.0f} ms); decide_batch offline: {shares}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
+
+
+def decision_checkpoint(app_args: dict) -> str:
+    from deployments.settings import AppArgs
+
+    return AppArgs.model_validate(app_args).decision.checkpoint
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""A model in a child process of the serving replica, behind a private socket pair (torch-free).
+
+Both models run this way (core/chat/engine_process.py, core/decision/process.py): in the replica's process,
+the model's many small torch operations and the replica's event loop would take turns on one GIL. The
+parent starts `python -m <module> <fd>` with one end of a socket pair, sends its Start record, and waits for
+Ready (or Failed, whose message it raises). Records are pickled by multiprocessing's Connection. The child
+exits when told to stop or when the socket closes, so it does not outlive its parent; the parent stops it by
+its pid.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # holds the `core` package
+
+
+class Child:
+    """The parent's side: the process, its connection, and sends that fail once it has gone."""
+
+    def __init__(self, module: str, what: str, start, ready_type: type, start_timeout_s: float = 600.0):
+        """Start `module` as a child, send it `start`, wait for a `ready_type` record -> `self.ready`.
+        `what` names the child in errors ("the chat engine process")."""
+        self.what = what
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+        self.proc = subprocess.Popen([sys.executable, "-m", module, str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()], env=env, cwd=ROOT)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.lock = threading.Lock()          # held by each send, and while the connection closes
+        self.closed = self.stopping = False
+        try:
+            self.conn.send(start)
+            self.ready = self._wait_ready(ready_type, start_timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _wait_ready(self, ready_type: type, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.conn.poll(0.5):
+                try:
+                    msg = self.conn.recv()
+                except EOFError:
+                    break
+                if isinstance(msg, ready_type):
+                    return msg
+                raise RuntimeError(f"{self.what} failed to start:\n{getattr(msg, 'message', msg)}")
+            if self.proc.poll() is not None:
+                break
+        raise RuntimeError(f"{self.what} did not start (exit code {self.proc.poll()})")
+
+    def send(self, msg, died: type[Exception]) -> None:
+        """Send `msg`; raises `died` once the child has gone."""
+        with self.lock:
+            if self.closed:
+                raise died(f"{self.what} has stopped")
+            try:
+                self.conn.send(msg)
+            except OSError as e:
+                raise died(f"{self.what} has stopped ({e})") from None
+
+    def alive(self) -> bool:
+        return not self.closed and self.proc.poll() is None
+
+    def stop(self, stop_record, timeout_s: float = 10.0) -> None:
+        """Ask the child to stop, then make sure: killed by its pid if it has not exited in time."""
+        self.stopping = True
+        with self.lock:
+            if not self.closed:
+                try:
+                    self.conn.send(stop_record)
+                except OSError:
+                    pass
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.close()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            try:
+                self.conn.close()
+            except OSError:
+                pass
+
+
+def child_main(argv: list[str], serve, name: str) -> int:
+    """A child's entry point: `serve(conn)` on the socket the parent passed; a parent gone is a normal end."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    conn = Connection(int(argv[0]))
+    try:
+        serve(conn)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass
+    return 0

@@ -1,0 +1,234 @@
+"""The decision scorer behind a client: on a worker thread of the caller's process, or in a child process.
+
+A decision pass is thousands of small torch operations, each of which hands the GIL over and takes it back.
+On a thread of a serving replica, every wake-up of the replica's event loop (requests arriving, Serve's
+gRPC, metrics) takes the GIL in between: measured on the 2-core CPU, `decide_batch` over batches of two small
+requests ran at 34.5 requests/s beside an event loop that merely ticked every millisecond, against 108.8
+alone (bench/README.md), and in the service its batches then stayed small. `ProcessScorer` runs the scorer in
+a child process of its own, as the chat engine runs (core/chat/engine_process.py), and talks to it over a
+private socket pair (core/child.py):
+
+    parent -> child   Start once, then Decide | Stop
+    child -> parent   Ready | Failed once, then Done | Crashed (one per Decide)
+
+Each Done carries the results of one `decide_batch` (answers and usage, or a request's
+DecisionValidationError) and the prefix cache's counters. If the parent dies, the socket closes and the child
+exits; the parent stops the child by its pid. `ThreadScorer` keeps the scorer in this process (tests,
+notebooks, `decision_process: false`).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+
+import msgspec
+
+from ..child import Child, child_main
+from .config import DecisionConfig
+
+logger = logging.getLogger(__name__)
+
+class Start(msgspec.Struct, frozen=True):
+    checkpoint: str
+    config: DecisionConfig
+    device: str | None = None
+    torch_threads: int | None = None
+
+
+class Ready(msgspec.Struct, frozen=True):
+    info: dict                 # what the deployment reports of its scorer (ScorerInfo's fields)
+    prefix_stats: dict
+
+
+class Failed(msgspec.Struct, frozen=True):
+    message: str
+
+
+class Decide(msgspec.Struct, frozen=True):
+    call: int
+    requests: list             # [(state, questions), ...]
+
+
+class Done(msgspec.Struct, frozen=True):
+    call: int
+    results: list              # per request: (answers, usage) or its DecisionValidationError
+    prefix_stats: dict
+
+
+class Crashed(msgspec.Struct, frozen=True):
+    call: int
+    message: str
+
+
+class Stop(msgspec.Struct, frozen=True):
+    pass
+
+
+class ScorerDied(RuntimeError):
+    """The decision process is gone; the replica reports itself unhealthy and Serve replaces it."""
+
+
+def scorer_info(scorer) -> dict:
+    """What the deployment and its tests read of a scorer, wherever it runs."""
+    import torch
+
+    return {"path": scorer.path, "device": str(scorer.device), "kernels": dict(scorer.kernels),
+            "max_length": scorer.max_length, "max_batch_tokens": scorer.max_batch_tokens,
+            "graphs": scorer.config.graphs, "prefix_cache_bytes": scorer.prefix_cache.capacity_bytes,
+            "torch_threads": torch.get_num_threads(), "pid": os.getpid()}
+
+
+def build_scorer(start: Start):
+    import torch
+
+    from .scorer import StartLuxDecision
+
+    if start.torch_threads:
+        torch.set_num_threads(start.torch_threads)
+    return StartLuxDecision(start.checkpoint, start.config, device=start.device)
+
+
+def run_batch(scorer, requests: list) -> list:
+    return scorer.decide_batch(requests, with_usage=True, return_exceptions=True)
+
+
+class ThreadScorer:
+    """The scorer in this process; each batch runs on a worker thread, off the event loop."""
+
+    def __init__(self, start: Start):
+        self.scorer = build_scorer(start)
+        self.info = scorer_info(self.scorer)
+
+    async def decide_batch(self, requests: list) -> list:
+        return await asyncio.to_thread(run_batch, self.scorer, requests)
+
+    def prefix_stats(self) -> dict:
+        return self.scorer.prefix_cache.stats()
+
+    def alive(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+
+class ProcessScorer:
+    """The scorer in a child process. `decide_batch` is awaited on the caller's loop; a reader thread hands
+    each Done to the call that waits for it. Calls may overlap (each has its id); the child runs them in order."""
+
+    def __init__(self, start: Start, start_timeout_s: float = 600.0):
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._ids = itertools.count()
+        self.child = Child("core.decision.process", "the decision process", start, Ready, start_timeout_s)
+        self.proc = self.child.proc
+        self.info, self._prefix_stats = self.child.ready.info, self.child.ready.prefix_stats
+        self._reader = threading.Thread(target=self._read, name="decision-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    async def decide_batch(self, requests: list) -> list:
+        """[(state, questions), ...] -> per request (answers, usage) or its DecisionValidationError."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        call = next(self._ids)
+        self._calls[call] = (loop, future)          # before the send: the answer may come at once
+        try:
+            self.child.send(Decide(call, list(requests)), ScorerDied)
+        except ScorerDied:
+            self._calls.pop(call, None)
+            raise
+        return await future
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.child.conn.recv()
+            except (EOFError, OSError):
+                break
+            match msg:
+                case Done(call, results, stats):
+                    self._prefix_stats = stats
+                    self._resolve(call, results=results)
+                case Crashed(call, message):
+                    self._resolve(call, error=RuntimeError(f"the decision model failed:\n{message}"))
+        with self.child.lock:                      # no call registers after this: its send raises ScorerDied
+            self.child.closed = True
+        if not self.child.stopping:
+            logger.error("lost the connection to the decision process %d", self.pid)
+        for call in list(self._calls):             # nobody waits forever
+            self._resolve(call, error=ScorerDied("the decision process stopped"))
+
+    def _resolve(self, call: int, results=None, error: BaseException | None = None) -> None:
+        target = self._calls.pop(call, None)
+        if target is None:
+            return
+        loop, future = target
+
+        def settle():
+            if future.done():                      # its caller was cancelled meanwhile
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(results)
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:                       # that loop has closed
+            pass
+
+    def prefix_stats(self) -> dict:
+        return self._prefix_stats
+
+    def alive(self) -> bool:
+        return self.child.alive()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self.child.stop(Stop(), timeout_s)
+
+
+def start_scorer(start: Start, process: bool = True):
+    """The scorer `start` describes, behind its client: in a child process or on a thread of this one."""
+    return ProcessScorer(start) if process else ThreadScorer(start)
+
+
+# ---- the child side
+def serve_scorer(conn: Connection) -> None:
+    start = conn.recv()
+    assert isinstance(start, Start), start
+    try:
+        scorer = build_scorer(start)
+    except Exception:
+        conn.send(Failed(traceback.format_exc()))
+        return
+    conn.send(Ready(scorer_info(scorer), scorer.prefix_cache.stats()))
+    while True:
+        match conn.recv():                 # EOFError when the parent is gone: the process ends
+            case Decide(call, requests):
+                try:
+                    results = run_batch(scorer, requests)
+                except Exception:          # a fault in the model fails this batch, never the process
+                    logger.exception("decision batch failed")
+                    conn.send(Crashed(call, traceback.format_exc(limit=5)))
+                    continue
+                conn.send(Done(call, results, scorer.prefix_cache.stats()))
+            case Stop():
+                return
+
+
+def main(argv: list[str]) -> int:
+    return child_main(argv, serve_scorer, "decision")
+
+
+if __name__ == "__main__":
+    # run as `python -m core.decision.process`: the records must be the importable module's, not __main__'s
+    from core.decision.process import main as module_main
+    sys.exit(module_main(sys.argv[1:]))

@@ -1,0 +1,125 @@
+"""The decision scorer in its child process (core/decision/process.py) against the scorer in this process."""
+import asyncio
+import os
+import signal
+
+import pytest
+
+from core.decision import DecisionConfig, DecisionValidationError, StartLuxDecision
+from core.decision.process import ProcessScorer, ScorerDied, Start, ThreadScorer
+from tests.decision_fixtures import build_checkpoint
+
+REQUESTS = [
+    ("the cat is red", {"c": {"question": "which color is the cat", "criteria": {"r": "red", "b": "blue"}},
+                        "n": {"type": "noul", "question": "is there a cat"}}),
+    ({"facts": ["dog blue"], "n": 2}, {"s": {"type": "score", "question": "how many",
+                                              "criteria": {"a": "0", "b": "1", "c": "2"}}}),
+    ("the cat is red", {"bad": {"type": "noul"}, "c": {"question": "which", "criteria": {"x": "1", "y": "2"}}}),
+    ("the cat is red", {"c": {"question": "which color is the cat", "criteria": {"r": "red", "b": "blue"}}}),
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(str(tmp_path_factory.mktemp("decision-process")))
+
+
+@pytest.fixture(scope="module")
+def child(ckpt):
+    scorer = ProcessScorer(Start(ckpt, DecisionConfig(max_batch_tokens=512), "cpu", 1))
+    yield scorer
+    scorer.shutdown()
+
+
+def test_child_answers_as_the_scorer_here(ckpt, child):
+    here = StartLuxDecision(ckpt, DecisionConfig(max_batch_tokens=512), device="cpu")
+    expected = here.decide_batch(REQUESTS, with_usage=True, return_exceptions=True)
+    got = asyncio.run(child.decide_batch(REQUESTS))
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        if isinstance(e, DecisionValidationError):
+            assert isinstance(g, DecisionValidationError) and g.errors == e.errors and str(g) == str(e)
+            continue
+        (answers, usage), (ref, ref_usage) = g, e
+        assert usage == ref_usage and list(answers) == list(ref)
+        for k in ref:
+            for name, v in ref[k].items():
+                assert answers[k][name] == (pytest.approx(v, abs=1e-5) if isinstance(v, (float, dict)) else v)
+    # the repeated state was a prefix-cache hit there as here, and the parent sees the child's counters
+    assert child.prefix_stats() == here.prefix_cache.stats()
+    assert child.info["pid"] == child.pid != os.getpid() and child.info["max_batch_tokens"] == 512
+    assert child.info["torch_threads"] == 1
+
+
+def test_overlapping_calls_each_get_their_own_answers(child):
+    async def both():
+        return await asyncio.gather(child.decide_batch(REQUESTS[:2]), child.decide_batch(REQUESTS[3:]),
+                                    child.decide_batch(REQUESTS[:1]))
+    a, b, c = asyncio.run(both())
+    assert [list(x[0]) for x in a] == [["c", "n"], ["s"]] and list(b[0][0]) == ["c"]
+    assert c[0][0]["c"]["choice"] == a[0][0]["c"]["choice"]
+    assert c[0][0]["n"]["noul"] == pytest.approx(a[0][0]["n"]["noul"], abs=1e-5)
+
+
+def test_thread_scorer_gives_the_same(ckpt, child):
+    thread = ThreadScorer(Start(ckpt, DecisionConfig(max_batch_tokens=512), "cpu", None))
+    got, ref = asyncio.run(thread.decide_batch(REQUESTS[:2])), asyncio.run(child.decide_batch(REQUESTS[:2]))
+    assert [list(a) for a, _ in got] == [list(a) for a, _ in ref]
+    assert [u["input_tokens"] for _, u in got] == [u["input_tokens"] for _, u in ref]     # (the child's cache is warm)
+    assert thread.info["pid"] == os.getpid() and thread.alive()
+
+
+def test_a_dead_child_fails_its_calls_and_reports_itself(ckpt):
+    scorer = ProcessScorer(Start(ckpt, DecisionConfig(), "cpu", 1))
+    try:
+        assert scorer.alive()
+        os.kill(scorer.pid, signal.SIGKILL)
+        scorer.proc.wait(timeout=30)
+
+        async def call():
+            return await asyncio.wait_for(scorer.decide_batch(REQUESTS[:1]), 30)
+        with pytest.raises(ScorerDied):
+            asyncio.run(call())
+        assert not scorer.alive()
+    finally:
+        scorer.shutdown()
+    assert scorer.proc.poll() is not None
+
+
+def test_a_child_that_cannot_load_says_why(tmp_path):
+    with pytest.raises(RuntimeError, match="failed to start"):
+        ProcessScorer(Start(str(tmp_path / "missing"), DecisionConfig(), "cpu", 1))
+
+
+def test_batch_merger_runs_what_came_meanwhile_as_one_call():
+    from deployments.decision import BatchMerger
+
+    calls = []
+
+    async def run(items):
+        calls.append(list(items))
+        await asyncio.sleep(0.05)
+        if "boom" in items:
+            raise ValueError("boom")
+        return [f"answer {x}" for x in items]
+
+    async def scenario():
+        merger = BatchMerger(run, max_size=4)
+        first = merger.submit(["a"])                      # starts at once, alone
+        await asyncio.sleep(0)
+        waiting = [merger.submit(["b", "c"]), merger.submit(["d"]), merger.submit(["e", "f"]), merger.submit(["g"])]
+        gone = merger.submit(["x"])
+        gone[0].cancel()                                   # its caller left before its turn: not run
+        results = [await asyncio.gather(*fs) for fs in [first, *waiting]]
+        failing = merger.submit(["boom"]) + merger.submit(["y"])
+        outcome = await asyncio.gather(*failing, return_exceptions=True)
+        later = await asyncio.gather(*merger.submit(["h"]))
+        return results, outcome, later
+
+    results, outcome, later = asyncio.run(scenario())
+    # while "a" ran the rest queued: b c d together (e f would make 5 of 4), then e f g; x never ran
+    assert calls[:3] == [["a"], ["b", "c", "d"], ["e", "f", "g"]]
+    assert results == [["answer a"], ["answer b", "answer c"], ["answer d"], ["answer e", "answer f"], ["answer g"]]
+    # submitted together while idle, boom and y run as one call; it raises, so both fail; the merger goes on
+    assert calls[3:] == [["boom", "y"], ["h"]]
+    assert all(isinstance(o, ValueError) for o in outcome) and later == ["answer h"]

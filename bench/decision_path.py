@@ -28,7 +28,7 @@ import yaml
 
 from bench.decision import client_workload, count_questions
 from bench.systemone import load
-from bench.vllm_peer import ROOT, build_checkpoints, start_ours
+from bench.vllm_peer import ROOT, app_overrides, build_checkpoints, start_ours
 
 WORDS = "the a red blue green cat dog box door light room open closed small big left right near far".split()
 
@@ -94,7 +94,7 @@ def main() -> None:
     args = p.parse_args()
     from transformers import AutoTokenizer
 
-    overrides = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+    overrides = app_overrides(args.set)
     app_args = {**yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())["applications"][0]["args"],
                 **overrides}
     tok = AutoTokenizer.from_pretrained(str(ROOT / decision_checkpoint(app_args)))

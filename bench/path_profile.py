@@ -22,9 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
-from bench.vllm_peer import build_checkpoints, load, prompts, start_ours
+from bench.vllm_peer import app_overrides, build_checkpoints, load, prompts, start_ours
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -107,7 +105,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="path-profile-"))
     ours, _, vocab, bos = build_checkpoints(work)
     ids = prompts(args.streams * args.per_client, min(vocab, bos), bos)
-    overrides = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+    overrides = app_overrides(args.set)
     server = start_ours(ours, work, overrides, dict(kv.split("=", 1) for kv in args.env))
     result = {}
     try:

@@ -128,6 +128,11 @@ def start_ours(checkpoint: Path, work: Path, args: dict | None = None, env: dict
                   f"http://127.0.0.1:{port}", "/healthz")
 
 
+def app_overrides(pairs: list[str]) -> dict:
+    """--set KEY=VALUE arguments -> application arguments (each value read as YAML)."""
+    return {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in pairs)}
+
+
 def start_vllm(python: str, checkpoint: Path, work: Path) -> Server:
     port = free_port()
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
@@ -253,7 +258,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, nargs="+", default=[128, 32])
     p.add_argument("--json")
     p.add_argument("--offline-only", action="store_true", help="only the engines offline")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an application argument of ours over serve_config.cpu.yaml's, e.g. chat_torch_threads=2")
     args = p.parse_args()
+    overrides = app_overrides(args.set)
     if args.offline_only:
         args.runs = 0
     work = Path(tempfile.mkdtemp(prefix="vllm-peer-"))
@@ -263,7 +271,8 @@ def main() -> None:
     for run in range(args.runs):
         order = ("ours", "vllm") if run % 2 == 0 else ("vllm", "ours")
         for name in order:
-            server = start_ours(ours_dir, work) if name == "ours" else start_vllm(args.vllm_python, hf_dir, work)
+            server = (start_ours(ours_dir, work, overrides) if name == "ours"
+                      else start_vllm(args.vllm_python, hf_dir, work))
             try:
                 results[name].append(measure(server, None if name == "ours" else "peer", args, ids))
             finally:

@@ -9,14 +9,13 @@ Serve's batcher forms a batch as soon as its wait ends, and a batch formed while
 whole for its turn: under steady load each holds the requests of one wait (10 ms), and the model ran batches
 of one or two (bench/README.md). So each batch Serve forms goes to a `BatchMerger` at once, which runs one
 `decide_batch` at a time over every request that has come while the one before ran (up to `max_batch_size`).
-The model runs in a child process of the replica
-(core/decision/process.py: on a thread, the replica's event loop and the model took turns on one GIL and the
-batches stayed small), or with `decision_process: false` on a worker thread of the replica.
+The model runs in a child process of the replica (core/decision/process.py: on a thread, the replica's event
+loop and the model took turns on one GIL), or with `decision_process: false` on a worker thread of it.
 """
 from __future__ import annotations
 
-import logging
 import asyncio
+import logging
 from collections import Counter as Tally
 
 from ray import serve

@@ -21,6 +21,13 @@ def test_rayservice_serves_serve_config():
     deps = {d["name"]: d for d in serve["applications"][0]["deployments"]}
     most_gpus = sum(deps[n]["autoscaling_config"]["max_replicas"] for n in ("ChatModel", "DecisionModel"))
     assert gpu["maxReplicas"] >= most_gpus, "the node group must be able to hold every model replica"
+    # the CPUs too: every replica at its maximum (the head takes none), each model replica's CPUs on a node with its GPU
+    cpus = lambda d: d["ray_actor_options"].get("num_cpus", 1) * d["autoscaling_config"]["max_replicas"]
+    node_cpus = int(limits["cpu"])
+    assert sum(cpus(d) for d in deps.values()) <= node_cpus * gpu["maxReplicas"]
+    assert all(d["ray_actor_options"]["num_cpus"] <= node_cpus for d in deps.values())
+    # a chat replica relays its streams on one core beside its engine process's (docs/deployment.md, CPU budget)
+    assert deps["ChatModel"]["ray_actor_options"]["num_cpus"] >= 2
     for container in (gpu["template"]["spec"]["containers"][0],
                       cluster["headGroupSpec"]["template"]["spec"]["containers"][0]):
         env = {e["name"]: e.get("value") for e in container["env"]}

@@ -2,7 +2,8 @@
 
     RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 .venv/bin/serve run serve_config.cpu.yaml &
     python -m bench.overload [--url http://127.0.0.1:8000] [--saturation 32] [--seconds 20] [--max-tokens 64]
-                             [--ttft-slo-ms 1000] [--tpot-slo-ms 100] [--json out.json]
+                             [--ttft-slo-ms 1000] [--tpot-slo-ms 100] [--client lean|plain] [--no-stream]
+                             [--json out.json]
 
 Each client streams one short question after another (the `question` workload of bench/http.py, greedy-free
 sampling, up to --max-tokens tokens) for --seconds. A 503 is retried: `honour` waits the Retry-After the
@@ -10,6 +11,11 @@ service sent, `immediate` resends at once (a retry storm). Reported per run: goo
 requests), requests completed, 503s received, and goodput under an SLO as vLLM's benchmark defines it (the
 tokens/s of the requests whose time to first token and mean time per output token both meet the bounds).
 `--saturation` is the concurrency the service saturates at (its engine's rows: `chat_max_rows`).
+`--client plain` sends with httpx, one AsyncClient per client, as an ordinary application would (`lean`, the
+default, is bench/sse.py's minimal client, which costs the shared CPU less); `--no-stream` asks for whole
+responses, whose time to first token is the whole request and whose SLO is met when it ends within
+ttft + tpot x tokens. Goodput counts the chunks that carry output when streamed (a token that completes no
+character carries none) and `usage.completion_tokens` when not, so compare a mode only with itself.
 """
 from __future__ import annotations
 
@@ -25,41 +31,117 @@ from bench.http import PROMPTS
 from bench.sse import Connection, HTTPStatusError
 
 
-async def client_loop(url, deadline, max_tokens, mode, seed, out):
-    conn = Connection(url)
+def output_times(lines, times: list) -> None:
+    """Record when each SSE chunk that carries output (text, or a calculator part) arrived."""
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and (chunk["choices"][0]["delta"].get("content")
+                                         or chunk["choices"][0]["delta"].get("parts")):
+                times.append(time.perf_counter())
+
+
+class Refused(Exception):
+    def __init__(self, retry_after: float):
+        self.retry_after = retry_after
+
+
+class LeanClient:
+    """bench/sse.py's client: one connection, reused."""
+
+    def __init__(self, url):
+        self.conn = Connection(url)
+
+    async def send(self, body) -> tuple[list[float], int]:
+        """-> (arrival times of the chunks with output, completion tokens when not streamed)."""
+        times, lines = [], []
+        try:
+            async for line in self.conn.post_lines("/v1/chat/completions", body):
+                if body["stream"]:
+                    output_times([line], times)
+                else:
+                    lines.append(line)
+        except HTTPStatusError as e:
+            if e.status != 503:
+                raise
+            raise Refused(float(e.headers.get("retry-after", 1))) from None
+        return times, (0 if body["stream"] else json.loads("".join(lines))["usage"]["completion_tokens"])
+
+    async def close(self):
+        self.conn.close()
+
+
+class PlainClient:
+    """httpx, as an ordinary application sends."""
+
+    def __init__(self, url):
+        self.client = httpx.AsyncClient(base_url=url, timeout=600)
+
+    async def send(self, body) -> tuple[list[float], int]:
+        times = []
+        if not body["stream"]:
+            r = await self.client.post("/v1/chat/completions", json=body)
+            if r.status_code == 503:
+                raise Refused(float(r.headers.get("retry-after", 1)))
+            r.raise_for_status()
+            return times, r.json()["usage"]["completion_tokens"]
+        async with self.client.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code == 503:
+                await r.aread()
+                raise Refused(float(r.headers.get("retry-after", 1)))
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                output_times([line], times)
+        return times, 0
+
+    async def close(self):
+        await self.client.aclose()
+
+
+CLIENTS = {"lean": LeanClient, "plain": PlainClient}
+
+
+async def client_loop(url, deadline, max_tokens, mode, seed, out, client="lean", stream=True):
+    conn = CLIENTS[client](url)
     i = 0
     try:
         while time.perf_counter() < deadline:
             body = {"messages": [{"role": "user", "content": PROMPTS[(seed + i) % len(PROMPTS)]}],
-                    "max_tokens": max_tokens, "stream": True, "temperature": 1.0, "seed": seed * 10_000 + i}
+                    "max_tokens": max_tokens, "stream": stream, "temperature": 1.0, "seed": seed * 10_000 + i}
             i += 1
-            t0, times = time.perf_counter(), []
+            t0 = time.perf_counter()
             try:
-                async for line in conn.post_lines("/v1/chat/completions", body):
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        chunk = json.loads(line[6:])
-                        if chunk.get("choices") and (chunk["choices"][0]["delta"].get("content")
-                                                     or chunk["choices"][0]["delta"].get("parts")):
-                            times.append(time.perf_counter())
-            except HTTPStatusError as e:
-                if e.status != 503:
-                    raise
+                times, tokens = await conn.send(body)
+            except Refused as e:
                 out["rejected"] += 1
                 if mode == "honour":
-                    await asyncio.sleep(float(e.headers.get("retry-after", 1)))
+                    await asyncio.sleep(e.retry_after)
                 continue
-            if time.perf_counter() <= deadline and times:
+            end = time.perf_counter()
+            if end > deadline:
+                continue
+            if stream and times:
                 out["done"].append((times[0] - t0, (times[-1] - times[0]) / max(1, len(times) - 1), len(times)))
+            elif not stream and tokens:
+                out["done"].append((end - t0, None, tokens))
     finally:
-        conn.close()
+        await conn.close()
 
 
-async def run(url, clients, seconds, max_tokens, mode):
+async def run(url, clients, seconds, max_tokens, mode, client="lean", stream=True):
     out = {"rejected": 0, "done": []}
     deadline = time.perf_counter() + seconds
     t0 = time.perf_counter()
-    await asyncio.gather(*(client_loop(url, deadline, max_tokens, mode, c, out) for c in range(clients)))
+    await asyncio.gather(*(client_loop(url, deadline, max_tokens, mode, c, out, client, stream)
+                           for c in range(clients)))
     return out, time.perf_counter() - t0
+
+
+def meets_slo(ttft_s, tpot_s, tokens, ttft_slo_ms, tpot_slo_ms) -> bool:
+    """vLLM's SLO goodput rule; a whole response (tpot None) must end within ttft + tpot x tokens."""
+    if tpot_s is None:
+        return ttft_s * 1000 <= ttft_slo_ms + tpot_slo_ms * tokens
+    return ttft_s * 1000 <= ttft_slo_ms and tpot_s * 1000 <= tpot_slo_ms
 
 
 def main():
@@ -72,6 +154,8 @@ def main():
     p.add_argument("--tpot-slo-ms", type=float, default=100)
     p.add_argument("--modes", nargs="+", default=["honour", "immediate"])
     p.add_argument("--factors", nargs="+", type=int, default=[1, 2, 4])
+    p.add_argument("--client", choices=sorted(CLIENTS), default="lean")
+    p.add_argument("--no-stream", action="store_true", help="whole responses instead of streams")
     p.add_argument("--json")
     args = p.parse_args()
     httpx.get(f"{args.url}/healthz", timeout=10).raise_for_status()
@@ -81,12 +165,14 @@ def main():
     for mode in args.modes:
         for f in args.factors:
             clients = f * args.saturation
-            out, wall = asyncio.run(run(args.url, clients, args.seconds, args.max_tokens, mode))
+            out, wall = asyncio.run(run(args.url, clients, args.seconds, args.max_tokens, mode, args.client,
+                                        not args.no_stream))
             done = out["done"]
             tokens = sum(n for _, _, n in done)
-            ok = [n for ttft, tpot, n in done if ttft * 1000 <= args.ttft_slo_ms and tpot * 1000 <= args.tpot_slo_ms]
+            ok = [n for ttft, tpot, n in done if meets_slo(ttft, tpot, n, args.ttft_slo_ms, args.tpot_slo_ms)]
             ttfts = sorted(t for t, _, _ in done)
-            r = {"mode": mode, "clients": clients, "factor": f, "seconds": wall, "completed": len(done),
+            r = {"mode": mode, "client": args.client, "stream": not args.no_stream, "clients": clients, "factor": f,
+                 "seconds": wall, "completed": len(done),
                  "rejected": out["rejected"], "goodput_tokens_per_s": tokens / wall,
                  "slo_goodput_tokens_per_s": sum(ok) / wall,
                  "ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2] if ttfts else None}

@@ -23,7 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import yaml
 
 from bench.decision import client_workload, count_questions

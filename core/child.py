@@ -74,6 +74,14 @@ class Child:
     def alive(self) -> bool:
         return not self.closed and self.proc.poll() is None
 
+    def lost(self, logger) -> None:
+        """The reader saw the connection end: no send goes out after this (each raises its `died`), and an end
+        nobody asked for is logged."""
+        with self.lock:
+            self.closed = True
+        if not self.stopping:
+            logger.error("lost the connection to %s %d", self.what, self.pid)
+
     def stop(self, stop_record, timeout_s: float = 10.0) -> None:
         """Ask the child to stop, then make sure: killed by its pid if it has not exited in time."""
         self.stopping = True

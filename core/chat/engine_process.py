@@ -33,6 +33,7 @@ from .protocol import (Abort, Add, EngineDied, EngineError, EngineFull, EngineSt
 
 logger = logging.getLogger(__name__)
 
+
 def build_engine(start: Start):
     """The engine `start` describes, built in the calling process (torch threads set, weights loaded)."""
     import torch
@@ -116,9 +117,7 @@ class ProcessEngine(EngineClient):
                     self._stats = stats
                     if self.on_stats is not None:
                         self.on_stats(stats)
-        self.child.closed = True
-        if not self.child.stopping:
-            logger.error("lost the connection to the chat engine process %d", self.pid)
+        self.child.lost(logger)
         # nobody waits forever: every open request ends with an error
         for rid in list(self._queues):              # one exception per request: each is raised in its own task
             self._fail([rid], EngineDied("the chat engine process stopped"))

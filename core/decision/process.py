@@ -34,6 +34,7 @@ from .config import DecisionConfig
 
 logger = logging.getLogger(__name__)
 
+
 class Start(msgspec.Struct, frozen=True):
     checkpoint: str
     config: DecisionConfig
@@ -160,10 +161,7 @@ class ProcessScorer:
                     self._resolve(call, results=results)
                 case Crashed(call, message):
                     self._resolve(call, error=RuntimeError(f"the decision model failed:\n{message}"))
-        with self.child.lock:                      # no call registers after this: its send raises ScorerDied
-            self.child.closed = True
-        if not self.child.stopping:
-            logger.error("lost the connection to the decision process %d", self.pid)
+        self.child.lost(logger)                    # a call registered after this: its send raises ScorerDied
         for call in list(self._calls):             # nobody waits forever
             self._resolve(call, error=ScorerDied("the decision process stopped"))
 

@@ -34,6 +34,7 @@ def test_rayservice_serves_serve_config():
         assert {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} <= set(env)
         assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"   # every node: controller, proxy and replicas agree
         assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"        # HAProxy answers on port 8000 of every node
+        assert env["RAY_SERVE_HAPROXY_BINARY_PATH"].endswith("/bin/startlux-haproxy")   # through the launcher
 
 
 def test_cluster_launcher_config():
@@ -45,3 +46,4 @@ def test_cluster_launcher_config():
     assert any("serve deploy serve_config.yaml" in c for c in cfg["head_start_ray_commands"])
     for cmd in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]:
         assert "RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1" in cmd
+        assert "RAY_SERVE_HAPROXY_BINARY_PATH=$HOME/startlux/.venv/bin/startlux-haproxy" in cmd

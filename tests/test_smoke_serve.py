@@ -1,7 +1,10 @@
-"""The README's serve command as a subprocess: it starts, answers, and shuts down cleanly."""
+"""The README's serve command as a subprocess: it starts, answers, listens only where it should, and every way
+of stopping it leaves nothing behind, so that it starts again on the same ports."""
 import os
+import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,10 +21,10 @@ pytestmark = pytest.mark.serve
 
 
 def readme_serve_command() -> tuple[dict, list[str]]:
-    """The environment assignments and arguments of `serve run` in the README's first command."""
+    """The environment assignments and arguments of `serve run` in the README's first command ($PWD: the root)."""
     line = next(x for x in (ROOT / "README.md").read_text().splitlines() if "serve run serve_config.cpu.yaml" in x
                 and x.startswith("python3 -m venv"))
-    words = shlex.split(line.split("&&")[-1])
+    words = shlex.split(line.split("&&")[-1].replace("$PWD", str(ROOT)))
     env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
     return env, [w for w in words if "=" not in w]
 
@@ -41,75 +44,221 @@ def session_members(sid: int) -> list[int]:
     return out
 
 
-def test_readme_serve_command(tmp_path):
-    env, argv = readme_serve_command()
-    assert argv == [".venv/bin/serve", "run", "serve_config.cpu.yaml"], argv
-    assert env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"   # HAProxy answers on the port, in front of the Ingress
-    # HAProxy's own listeners (metrics, stats) and Serve's fallback proxy on free ports, not their fixed defaults
-    env |= {"RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port())}
-    cfg = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())
-    port = free_port()
-    cfg["http_options"]["port"] = port
-    config = tmp_path / "serve_config.cpu.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    serve_bin = Path(sys.executable).parent / "serve"
-    log = open(tmp_path / "serve.log", "wb")
-    # its own session: the process group id is the pid, so everything it starts is stopped by that id
-    proc = subprocess.Popen([str(serve_bin), "run", str(config)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **env}, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+def comm(pid: int) -> str:
     try:
-        deadline = time.monotonic() + 180
-        ready = False
-        while time.monotonic() < deadline and proc.poll() is None:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def _address(hex_addr: str) -> str:
+    """/proc/net/tcp{,6}'s local address (little-endian words) -> its text form."""
+    raw = bytes.fromhex(hex_addr)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    return socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[int, str, str, int]]:
+    """(pid, command, address, port) of every listening TCP socket the processes hold, from /proc."""
+    listeners = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            f = row.split()
+            if f[3] == "0A":                                   # TCP_LISTEN
+                addr, port = f[1].rsplit(":", 1)
+                listeners[f[9]] = (_address(addr), int(port, 16))
+    out = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
             try:
-                ready = httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in listeners:
+                out.append((pid, comm(pid), *listeners[target[8:-1]]))
+    return sorted(set(out))
+
+
+def loopback(address: str) -> bool:
+    return address.startswith("127.") or address in ("::1", "::ffff:127.0.0.1")
+
+
+class ReadmeService:
+    """The README's `serve run` in its own session (its id is the pid), on ports fixed for every start."""
+
+    def __init__(self, tmp_path: Path):
+        env, argv = readme_serve_command()
+        assert argv == [".venv/bin/serve", "run", "serve_config.cpu.yaml"], argv
+        assert env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"   # HAProxy answers on the port, in front of the Ingress
+        assert Path(env["RAY_SERVE_HAPROXY_BINARY_PATH"]).name == "startlux-haproxy"
+        # HAProxy's own listeners (metrics, stats) and Serve's fallback proxy on free ports, not their fixed defaults
+        self.side_ports = {"RAY_SERVE_HAPROXY_METRICS_PORT": free_port(), "RAY_SERVE_HAPROXY_STATS_PORT": free_port(),
+                           "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": free_port()}
+        self.env = env | {k: str(v) for k, v in self.side_ports.items()}
+        assert os.access(self.env["RAY_SERVE_HAPROXY_BINARY_PATH"], os.X_OK)    # installed by `pip install -e .`
+        cfg = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())
+        self.port = free_port()
+        cfg["http_options"]["port"] = self.port
+        self.config = tmp_path / "serve_config.cpu.yaml"
+        self.config.write_text(yaml.safe_dump(cfg))
+        self.tmp_path, self.url, self.proc, self.starts = tmp_path, f"http://127.0.0.1:{self.port}", None, 0
+
+    def start(self, timeout: float = 180) -> float:
+        """Start `serve run` and wait for /healthz; the seconds it took."""
+        self.starts += 1
+        self.log_path = self.tmp_path / f"serve.{self.starts}.log"
+        self.log = open(self.log_path, "wb")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(self.config)], cwd=ROOT,
+                                     stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                                     start_new_session=True)
+        while time.monotonic() - t0 < timeout and self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=5).status_code == 200:
+                    return time.monotonic() - t0
             except httpx.HTTPError:
-                ready = False
-            if ready:
-                break
-            time.sleep(1)
-        assert ready, (tmp_path / "serve.log").read_text()[-3000:]
-        r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
-                       json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8})
-        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
-        # the demo model ends its greeting after a few tokens; ignore_eos (vLLM's extension) runs to max_tokens
-        hello = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 40}
-        short = httpx.post(f"{url}/v1/chat/completions", timeout=60, json=hello).json()
-        full = httpx.post(f"{url}/v1/chat/completions", timeout=60, json=hello | {"ignore_eos": True}).json()
-        assert short["usage"]["completion_tokens"] < 40 and short["choices"][0]["finish_reason"] == "stop"
-        assert full["usage"]["completion_tokens"] == 40 and full["choices"][0]["finish_reason"] == "length"
-        assert full["choices"][0]["message"]["content"].startswith(short["choices"][0]["message"]["content"])
-        r = httpx.post(f"{url}/v1/systemone", timeout=60, json={
-            "state": "s", "questions": {"q": {"type": "noul", "question": "is it"}}})
-        assert r.status_code == 200 and 0 <= r.json()["answers"]["q"]["noul"] <= 1
-        # errors come back through HAProxy as the service wrote them
-        bad = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={"messages": []})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
-        assert httpx.get(f"{url}/v1/nope", timeout=60).status_code == 404
-        # a stream through HAProxy, served by the engine in its own process
-        with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json=hello | {"stream": True}) as s:
-            events = [line for line in s.iter_lines() if line.startswith("data: ")]
-        assert len(events) > 3 and events[-1] == "data: [DONE]"
-        assert httpx.get(f"{url}/debug/stats", timeout=10).json()["chat"]["engine"] == "ProcessEngine"
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)        # serve run's own clean shutdown: Serve, then its Ray
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
                 pass
-        deadline = time.monotonic() + 15           # its Ray processes (and HAProxy) finish exiting
-        while session_members(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        raise AssertionError(f"start {self.starts} did not answer: {self.log_path.read_text()[-3000:]}")
+
+    def members(self) -> list[int]:
+        return session_members(self.proc.pid)
+
+    def wait_gone(self, timeout: float) -> list[tuple[int, str]]:
+        """Wait until nothing of this run is left (its session, and HAProxy's ports free); what was left."""
+        deadline = time.monotonic() + timeout
+        while self.members() and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = session_members(proc.pid)
-        for pid in left:                           # what it started and left behind, by pid
+        left = [(pid, comm(pid)) for pid in self.members()]
+        for pid, _ in left:                            # what it started and left behind, by pid
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        proc.wait(timeout=10)
-        log.close()
-    assert proc.returncode is not None
-    assert not left, f"processes left running after serve run exited: {left}"
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        self.log.close()
+        return left
+
+    def stop(self) -> None:
+        """serve run's own clean shutdown, as Ctrl-C in its terminal (SIGINT to its process group)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+
+
+@pytest.fixture
+def service(tmp_path):
+    svc = ReadmeService(tmp_path)
+    yield svc
+    if svc.proc is not None and svc.proc.poll() is None:
+        svc.stop()
+        svc.wait_gone(90)
+
+
+def check_answers(url: str) -> None:
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                   json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+    # the demo model ends its greeting after a few tokens; ignore_eos (vLLM's extension) runs to max_tokens
+    hello = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 40}
+    short = httpx.post(f"{url}/v1/chat/completions", timeout=60, json=hello).json()
+    full = httpx.post(f"{url}/v1/chat/completions", timeout=60, json=hello | {"ignore_eos": True}).json()
+    assert short["usage"]["completion_tokens"] < 40 and short["choices"][0]["finish_reason"] == "stop"
+    assert full["usage"]["completion_tokens"] == 40 and full["choices"][0]["finish_reason"] == "length"
+    assert full["choices"][0]["message"]["content"].startswith(short["choices"][0]["message"]["content"])
+    r = httpx.post(f"{url}/v1/systemone", timeout=60, json={
+        "state": "s", "questions": {"q": {"type": "noul", "question": "is it"}}})
+    assert r.status_code == 200 and 0 <= r.json()["answers"]["q"]["noul"] <= 1
+    # errors come back through HAProxy as the service wrote them
+    bad = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={"messages": []})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    assert httpx.get(f"{url}/v1/nope", timeout=60).status_code == 404
+    # a stream through HAProxy, served by the engine in its own process
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json=hello | {"stream": True}) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert len(events) > 3 and events[-1] == "data: [DONE]"
+    assert httpx.get(f"{url}/debug/stats", timeout=10).json()["chat"]["engine"] == "ProcessEngine"
+
+
+def check_listeners(svc: ReadmeService) -> None:
+    """Only loopback, but for the one listener per replica that Ray 2.60 binds on every interface
+    (docs/deployment.md, "What listens where")."""
+    sockets = listening_sockets(svc.members())
+    ours = {port: (name, addr) for _, name, addr, port in sockets}
+    assert ours[svc.port] == ("haproxy", "127.0.0.1")
+    assert ours[svc.side_ports["RAY_SERVE_HAPROXY_STATS_PORT"]] == ("haproxy", "127.0.0.1")
+    assert ours[svc.side_ports["RAY_SERVE_HAPROXY_METRICS_PORT"]] == ("haproxy", "127.0.0.1")
+    assert ours[svc.side_ports["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"]][1] == "127.0.0.1"
+    wide = [(pid, name, addr, port) for pid, name, addr, port in sockets if not loopback(addr)]
+    replicas = {pid for pid in svc.members() if comm(pid).startswith("ray::ServeRepli")}
+    assert len(replicas) == 3
+    # Serve's inter-deployment gRPC server, one per replica ([::]:0 in ray/serve/_private/replica.py)
+    assert sorted(pid for pid, *_ in wide) == sorted(replicas), wide
+    # and a stale HAProxy of an earlier run is no HAProxy of this one: exactly one serves the ports
+    assert [name for _, name, _, port in sockets if port == svc.port] == ["haproxy"]
+
+
+def stop_sigterm_then_sigkill(svc: ReadmeService) -> None:
+    """A supervisor with a short stop timeout: SIGTERM to the process group, SIGKILL 3 s later."""
+    os.killpg(svc.proc.pid, signal.SIGTERM)
+    time.sleep(3)
+    try:
+        os.killpg(svc.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def stop_sigterm(svc: ReadmeService) -> None:
+    """SIGTERM to serve run alone (kill PID)."""
+    svc.proc.send_signal(signal.SIGTERM)
+
+
+def stop_serve_shutdown(svc: ReadmeService) -> None:
+    """`serve shutdown` against the running cluster: Serve and HAProxy go, serve run then ends on Ctrl-C."""
+    dashboard = re.search(r"View the dashboard at \S*?(http://[0-9.:]+)", svc.log_path.read_text()).group(1)
+    # the CLI sends the cluster's token (~/.ray/auth_token, written by serve run) only with RAY_AUTH_MODE=token
+    out = subprocess.run([str(Path(sys.executable).parent / "serve"), "shutdown", "-y", "-a", dashboard], cwd=ROOT,
+                         env={**os.environ, **svc.env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(comm(p) == "haproxy" for p in svc.members()):
+        time.sleep(0.5)
+    assert not any(comm(p) == "haproxy" for p in svc.members()), "HAProxy outlived serve shutdown"
+    svc.stop()
+
+
+def stop_ray(svc: ReadmeService) -> None:
+    """The Ray cluster stopped under Serve: SIGTERM to its raylet and GCS (what `ray stop` sends first)."""
+    for pid in svc.members():
+        if comm(pid) in ("raylet", "gcs_server"):
+            os.kill(pid, signal.SIGTERM)
+
+
+def test_readme_serve_command_starts_answers_and_every_stop_leaves_nothing(service):
+    """Start, answer, listen on loopback; then each way of stopping, each followed by a start on the same ports."""
+    took = {"start": service.start()}
+    check_answers(service.url)
+    check_listeners(service)
+    for name, stop in [("sigterm then sigkill", stop_sigterm_then_sigkill), ("sigterm", stop_sigterm),
+                       ("serve shutdown", stop_serve_shutdown), ("ray stopped", stop_ray),
+                       ("ctrl-c", ReadmeService.stop)]:
+        t0 = time.monotonic()
+        stop(service)
+        left = service.wait_gone(90)
+        took[name] = time.monotonic() - t0
+        if name == "ray stopped":
+            # Ray's dashboard and runtime-env agents outlive a raylet stopped under them (Ray 2.60); the test
+            # ends them by pid. Nothing of the service's or HAProxy's may be among them.
+            left = [(pid, c) for pid, c in left if c not in ("ray::DashboardA", "ray::RuntimeEnv")]
+        assert not left, f"left running after {name}: {left}"
+        if name != "ctrl-c":
+            took[f"start after {name}"] = service.start()
+            assert httpx.get(f"{service.url}/v1/models", timeout=30).status_code == 200
+    print({k: round(v, 1) for k, v in took.items()})

@@ -28,7 +28,7 @@ from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 MANAGER_TITLE = b"ray::HAProxyManager"
-_BIND = re.compile(r"^(\s*bind\s+)(\S*?):(\d+)(.*)$")
+_BIND = re.compile(r"^(\s*bind\s+)(\S*?):(\d+)(.*\n?)$", re.DOTALL)
 
 
 def real_binary() -> str:
@@ -40,33 +40,22 @@ def real_binary() -> str:
 
 def rewrite_listeners(text: str) -> str:
     """The config with the stats page on loopback and the Prometheus frontend on the HTTP frontend's host."""
-    lines = text.splitlines(keepends=True)
-    sections: list[tuple[str, int]] = []            # (header, line index) of every section
-    for i, line in enumerate(lines):
-        if line.strip() and not line[0].isspace():
-            sections.append((line.strip(), i))
-    host_of = {}
-    for header, i in sections:
-        if header == "frontend http_frontend":
-            for line in lines[i + 1:]:
-                if line.strip() and not line[0].isspace():
-                    break
-                m = _BIND.match(line.rstrip("\n"))
-                if m:
-                    host_of["http"] = m.group(2)
-                    break
-    http_host = host_of.get("http", "*")
-    targets = {"listen stats": "127.0.0.1", "frontend prometheus": "*" if http_host in ("", "*") else http_host}
-    current = None
+    sections: list[list[str]] = []                  # each section: its header line, then its lines
+    for line in text.splitlines(keepends=True):
+        if (line.strip() and not line[0].isspace()) or not sections:
+            sections.append([])
+        sections[-1].append(line)
+    header = lambda sec: sec[0].strip()
+    binds = {header(sec): m for sec in sections for m in map(_BIND.match, sec) if m}
+    http = binds.get("frontend http_frontend")
+    http_host = http.group(2) if http and http.group(2) else "*"
+    hosts = {"listen stats": "127.0.0.1", "frontend prometheus": http_host}
     out = []
-    for line in lines:
-        if line.strip() and not line[0].isspace():
-            current = line.strip()
-        m = _BIND.match(line.rstrip("\n")) if current in targets else None
-        if m:
-            end = line[len(line.rstrip("\n")):]
-            line = f"{m.group(1)}{targets[current]}:{m.group(3)}{m.group(4)}{end}"
-        out.append(line)
+    for sec in sections:
+        host = hosts.get(header(sec))
+        for line in sec:
+            m = _BIND.match(line) if host else None
+            out.append(f"{m.group(1)}{host}:{m.group(3)}{m.group(4)}" if m else line)
     return "".join(out)
 
 
@@ -112,10 +101,10 @@ def stale_haproxies(binary: str, config: str) -> list[int]:
         if not argv or argv[0] != binary.encode() or b"-f" not in argv:
             continue
         i = argv.index(b"-f")
-        if i + 1 >= len(argv) or not os.path.dirname(os.path.dirname(argv[i + 1])) == base:
+        if i + 1 >= len(argv) or os.path.dirname(os.path.dirname(argv[i + 1])) != base:
             continue
         parent = _ppid(pid)
-        if parent is not None and not _cmdline(parent)[:1] == [MANAGER_TITLE]:
+        if parent is not None and _cmdline(parent)[:1] != [MANAGER_TITLE]:
             found.append(pid)
     return found
 

@@ -2,9 +2,8 @@
 import os
 import subprocess
 import time
-from pathlib import Path
 
-from deployments.haproxy import _alive, end, real_binary, rewrite_listeners, stale_haproxies
+from deployments.haproxy import _alive, _cmdline, end, real_binary, rewrite_listeners, stale_haproxies
 from tests.test_serve import free_port
 
 CONFIG = """global
@@ -62,8 +61,7 @@ def test_an_orphaned_haproxy_of_an_earlier_run_is_found_and_ended(tmp_path):
     orphan, unrelated = map(int, out.stdout.split())
     try:
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not all(Path(f"/proc/{p}/cmdline").exists() and b"-f" in
-                                                      Path(f"/proc/{p}/cmdline").read_bytes() for p in (orphan, unrelated)):
+        while time.monotonic() < deadline and not all(b"-f" in _cmdline(p) for p in (orphan, unrelated)):
             time.sleep(0.05)
         assert stale_haproxies(binary, str(new)) == [orphan]      # beside ours: yes; elsewhere: not ours to end
         end([orphan])

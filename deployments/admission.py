@@ -5,21 +5,28 @@ anything beyond is refused at once, before its body is read: a 503 then costs al
 queued in Serve's router keeps probing the chat replicas for room (and under a retry storm those probes, not
 the model, saturate the machine; bench/README.md). A refusal is answered after `refusal_delay_s`: a client that
 resends at once, ignoring Retry-After, then costs one cheap refusal per delay instead of one per round trip.
-limit None: no limit here (Serve's queue decides).
+limit None: no limit here (Serve's queue decides). `on_change(admission)` is called whenever `in_flight` or
+`waiting` changes (the Ingress sets its gauges there; a refusal changes neither) and `on_refusal()` at each
+refusal.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+from typing import Callable
 
 from .errors import APIError, error
 
 
 class Admission:
-    def __init__(self, limit: int | None, waiting: int, refusal_delay_s: float = 0.0):
+    def __init__(self, limit: int | None, waiting: int, refusal_delay_s: float = 0.0,
+                 on_change: Callable[["Admission"], None] | None = None,
+                 on_refusal: Callable[[], None] | None = None):
         self.limit, self.max_waiting, self.refusal_delay_s = limit, waiting, refusal_delay_s
         self.free = limit or 0
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._changed = on_change or (lambda admission: None)
+        self._refused = on_refusal or (lambda: None)
 
     @property
     def in_flight(self) -> int:
@@ -34,14 +41,17 @@ class Admission:
             return Slot(None)
         if self.free > 0:
             self.free -= 1
+            self._changed(self)
             return Slot(self)
         if len(self._waiters) >= self.max_waiting:
+            self._refused()
             if self.refusal_delay_s:
                 await asyncio.sleep(self.refusal_delay_s)
             raise APIError(error("the chat model is at capacity; retry shortly", "overloaded_error",
                                  code="overloaded"))
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
+        self._changed(self)
         try:
             await fut                       # a leaving slot is handed over to us
         except asyncio.CancelledError:
@@ -49,6 +59,7 @@ class Admission:
                 self._leave()               # handed over just as we gave up: pass it on
             else:
                 self._waiters.remove(fut)
+                self._changed(self)
             raise
         return Slot(self)
 
@@ -57,8 +68,10 @@ class Admission:
             fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_result(None)
+                self._changed(self)
                 return
         self.free += 1
+        self._changed(self)
 
 
 class Slot:

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from ray.serve.metrics import Counter
+from ray.serve.metrics import Counter, Gauge
 
 from core.chat.protocol import GenerateRequest, SamplingError, SamplingParams
 from core.decision.types import DecisionRequest
@@ -59,12 +59,21 @@ class Ingress:
         self.chat_stream = chat.options(stream=True)   # built once: options() per request costs a handle copy
         self.api_keys = [k for k in settings.api_keys if k]
         self.retry = RetryPolicy(settings.retry_timeout_s)
+        self.chat_refused = Tally("ingress_chat_refused_total", "Generations refused with 503 by the Ingress's admission.")
+        self.admission_gauges = (Gauge("ingress_chat_in_flight", "Generations this Ingress replica has admitted."),
+                                 Gauge("ingress_chat_waiting", "Generations waiting in this Ingress for a slot."))
         self.chat_admission = Admission(settings.max_chat_inflight, settings.max_chat_waiting,
-                                        settings.refusal_delay_s)
+                                        settings.refusal_delay_s, on_change=self._admission_changed,
+                                        on_refusal=self.chat_refused.inc)
         self.streams_continued = Tally("chat_streams_continued_total",
                                        "Generations moved to another chat replica after theirs was lost.")
         self._chat_info: dict | None = None
         self._decision_info: dict | None = None
+
+    def _admission_changed(self, admission: Admission) -> None:
+        in_flight, waiting = self.admission_gauges
+        in_flight.set(admission.in_flight)
+        waiting.set(admission.waiting)
 
     # ---- shared checks
     def _authorize(self, request: Request) -> None:
@@ -129,7 +138,8 @@ class Ingress:
         admission = self.chat_admission
         return {"chat": chat, "decision": decision,
                 "ingress": {"chat_in_flight": admission.in_flight, "chat_waiting": admission.waiting,
-                            "chat_limit": admission.limit, "chat_streams_continued": self.streams_continued.total}}
+                            "chat_limit": admission.limit, "chat_refused": self.chat_refused.total,
+                            "chat_streams_continued": self.streams_continued.total}}
 
     @app.post("/v1/systemone")
     async def systemone(self, request: Request):

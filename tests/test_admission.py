@@ -14,7 +14,9 @@ from deployments.resume import ChatStream, RetryPolicy
 
 def test_limits_waiting_refusal_and_hand_over():
     async def main():
-        adm = Admission(limit=2, waiting=1)
+        seen = []          # what the Ingress's gauges would show, at each change, and its refusals
+        adm = Admission(limit=2, waiting=1, on_change=lambda ad: seen.append((ad.in_flight, ad.waiting)),
+                        on_refusal=lambda: seen.append("refused"))
         a, b = await adm.enter(), await adm.enter()
         assert adm.in_flight == 2
         third = asyncio.ensure_future(adm.enter())
@@ -30,13 +32,16 @@ def test_limits_waiting_refusal_and_hand_over():
         b.release()
         c.release()
         assert adm.in_flight == 0 and adm.free == 2
+        # a refusal changes no gauge; the hand-over moves a waiter in flight (2 in flight, none waiting)
+        assert seen == [(1, 0), (2, 0), (2, 1), "refused", (2, 0), (1, 0), (0, 0)]
 
     asyncio.run(main())
 
 
 def test_a_cancelled_waiter_and_a_dropped_slot_give_their_slots_back():
     async def main():
-        adm = Admission(limit=1, waiting=4)
+        seen = []
+        adm = Admission(limit=1, waiting=4, on_change=lambda ad: seen.append((ad.in_flight, ad.waiting)))
         held = await adm.enter()
         waiter = asyncio.ensure_future(adm.enter())
         await asyncio.sleep(0)
@@ -48,6 +53,7 @@ def test_a_cancelled_waiter_and_a_dropped_slot_give_their_slots_back():
         assert adm.free == 1
         again = await asyncio.wait_for(adm.enter(), 1)
         again.release()
+        assert seen == [(1, 0), (1, 1), (1, 0), (0, 0), (1, 0), (0, 0)]
 
     asyncio.run(main())
 

@@ -596,6 +596,13 @@ def test_streams_continue_on_another_replica_when_theirs_is_killed(service, affi
         assert got[:3] == ref[:3], body
     after = httpx.get(f"{affinity}/debug/stats").json()["ingress"]["chat_streams_continued"]
     assert after > before, "no stream was continued: the kill hit nothing"
+    # the counter under the name the dashboard and docs give it (tests/test_dashboard.py checks the rest of the
+    # names through Prometheus; this one needs a lost replica), on this node's metrics exporter
+    exporter = f"http://127.0.0.1:{ray.nodes()[0]['MetricsExportPort']}/metrics"
+    deadline = time.monotonic() + 60                  # Ray's workers report their metrics every few seconds
+    while "\nray_chat_streams_continued_total{" not in httpx.get(exporter, timeout=10).text:
+        assert time.monotonic() < deadline, "ray_chat_streams_continued_total never reached the exporter"
+        time.sleep(1)
     print(f"\n{after - before} of {len(bodies)} streams continued on the other replica; the longest pause "
           f"between two lines of a stream: {max(gaps):.2f} s")
 

@@ -4,7 +4,7 @@
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 .venv/bin/serve run serve_config.cpu.yaml &
     python -m bench.overload [--url http://127.0.0.1:8000] [--saturation 32] [--seconds 20] [--max-tokens 64]
                              [--ttft-slo-ms 1000] [--tpot-slo-ms 100] [--client lean|plain] [--no-stream]
-                             [--json out.json]
+                             [--session PID] [--json out.json]
 
 Each client streams one short question after another (the `question` workload of bench/http.py, greedy-free
 sampling, up to --max-tokens tokens) for --seconds. A 503 is retried: `honour` waits the Retry-After the
@@ -15,20 +15,25 @@ tokens/s of the requests whose time to first token and mean time per output toke
 `--client plain` sends with httpx, one AsyncClient per client, as an ordinary application would (`lean`, the
 default, is bench/sse.py's minimal client, which costs the shared CPU less); `--no-stream` asks for whole
 responses, whose time to first token is the whole request and whose SLO is met when it ends within
-ttft + tpot x tokens. Goodput counts the chunks that carry output when streamed (a token that completes no
-character carries none) and `usage.completion_tokens` when not, so compare a mode only with itself.
+ttft + tpot x tokens. `--session` (the pid of a `serve run` started with setsid) adds each process's CPU
+seconds in each run, the load generator's own among them. Goodput counts the chunks that carry output when
+streamed (a token that completes no character carries none) and `usage.completion_tokens` when not, so compare
+a mode only with itself.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import platform
+import resource
 import time
 
 import httpx
 
 from bench.http import PROMPTS
+from bench.path_profile import TICK, cpu_ticks, name_of, session_pids
 from bench.sse import Connection, HTTPStatusError
 
 
@@ -138,6 +143,16 @@ async def run(url, clients, seconds, max_tokens, mode, client="lean", stream=Tru
     return out, time.perf_counter() - t0
 
 
+def process_cpu(before: dict[int, int], after: dict[int, int], own: resource.struct_rusage) -> dict[str, float]:
+    """CPU seconds per process group of the service between two readings, and this load generator's own."""
+    per = collections.defaultdict(float)
+    for pid, t in after.items():
+        per[name_of(pid)] += (t - before.get(pid, t)) / TICK
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    per["load generator"] = now.ru_utime + now.ru_stime - own.ru_utime - own.ru_stime
+    return dict(per)
+
+
 def meets_slo(ttft_s, tpot_s, tokens, ttft_slo_ms, tpot_slo_ms) -> bool:
     """vLLM's SLO goodput rule; a whole response (tpot None) must end within ttft + tpot x tokens."""
     if tpot_s is None:
@@ -157,6 +172,8 @@ def main():
     p.add_argument("--factors", nargs="+", type=int, default=[1, 2, 4])
     p.add_argument("--client", choices=sorted(CLIENTS), default="lean")
     p.add_argument("--no-stream", action="store_true", help="whole responses instead of streams")
+    p.add_argument("--session", type=int, help="the service's session id (the pid of its `serve run`, started "
+                                               "with setsid): each run then reports every process's CPU")
     p.add_argument("--json")
     args = p.parse_args()
     httpx.get(f"{args.url}/healthz", timeout=10).raise_for_status()
@@ -166,8 +183,11 @@ def main():
     for mode in args.modes:
         for f in args.factors:
             clients = f * args.saturation
+            pids = session_pids(args.session) if args.session else []
+            before, own = cpu_ticks(pids), resource.getrusage(resource.RUSAGE_SELF)
             out, wall = asyncio.run(run(args.url, clients, args.seconds, args.max_tokens, mode, args.client,
                                         not args.no_stream))
+            cpu = process_cpu(before, cpu_ticks(pids), own)
             done = out["done"]
             tokens = sum(n for _, _, n in done)
             ok = [n for ttft, tpot, n in done if meets_slo(ttft, tpot, n, args.ttft_slo_ms, args.tpot_slo_ms)]
@@ -176,10 +196,12 @@ def main():
                  "seconds": wall, "completed": len(done),
                  "rejected": out["rejected"], "goodput_tokens_per_s": tokens / wall,
                  "slo_goodput_tokens_per_s": sum(ok) / wall,
-                 "ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2] if ttfts else None}
+                 "ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2] if ttfts else None, "cpu_s": cpu}
             results.append(r)
             print(f"{mode:10}{clients:8d}{r['goodput_tokens_per_s']:15.1f}{r['slo_goodput_tokens_per_s']:13.1f}"
                   f"{len(done):7d}{out['rejected']:8d}{(r['ttft_p50_ms'] or 0):10.1f}", flush=True)
+            if args.session:
+                print("    CPU s: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": f"{platform.machine()}, {platform.python_version()}", "slo": {

@@ -26,7 +26,9 @@ is left out), at the end, and the least-squares slope per hour over the samples 
 answered as they should be, and every other outcome by kind (an error is any answer but the expected one: a
 503, a 500, a stream that ends without `[DONE]`, a client error). After the load, the service must go idle:
 no rows in use but the prefix cache's, nothing in flight or waiting in the Ingress, and the same processes as
-at the start; each process group's memory and descriptors idle before and after the soak are in the JSON. tests/test_soak.py runs two minutes of this at a fixed rate and asserts only what is not timing.
+at the start; each process group's memory and descriptors idle before and after the soak are in the JSON.
+tests/test_operations.py runs two minutes of this at a fixed rate on the README's service and asserts only
+what is not timing.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ import httpx
 
 from bench.http import PROMPTS
 from bench.path_profile import name_of, session_pids
-from bench.vllm_peer import ROOT, Server, start_ours
+from bench.vllm_peer import ROOT, start_ours
 
 MIX = {"chat": 0.40, "completion": 0.15, "decision": 0.25, "disconnect": 0.12, "bad": 0.08}
 BAD = [  # (path, body: dict or raw text, the status it must get)
@@ -62,9 +64,13 @@ class Outcomes:
     sent: collections.Counter = field(default_factory=collections.Counter)
     ok: collections.Counter = field(default_factory=collections.Counter)
     errors: collections.Counter = field(default_factory=collections.Counter)   # (kind, what) -> count
+    error_times: list = field(default_factory=list)   # (seconds since the start, kind, what), the first 200
+    t0: float = field(default_factory=time.monotonic)
 
     def fail(self, kind: str, what: str) -> None:
         self.errors[(kind, what)] += 1
+        if len(self.error_times) < 200:
+            self.error_times.append((round(time.monotonic() - self.t0, 1), kind, what))
 
 
 def decision_body(rng: random.Random) -> dict:
@@ -148,10 +154,10 @@ def processes(sid: int) -> dict[int, str]:
     return {pid: name_of(pid) for pid in session_pids(sid)}
 
 
-def sample(server: Server, t: float) -> dict:
-    """Resident memory (MB) and open descriptors per process group, and the service's counters."""
+def sample(url: str, sid: int, t: float) -> dict:
+    """Resident memory (MB) and open descriptors per process group of session `sid`, and the service's counters."""
     groups: dict[str, dict] = collections.defaultdict(lambda: {"rss_mb": 0.0, "fds": 0, "n": 0})
-    for pid, name in processes(server.proc.pid).items():
+    for pid, name in processes(sid).items():
         try:
             rss = read_int(f"/proc/{pid}/status", "VmRSS:") / 1024
             fds = len(os.listdir(f"/proc/{pid}/fd"))
@@ -161,7 +167,7 @@ def sample(server: Server, t: float) -> dict:
         g["rss_mb"] += rss
         g["fds"] += fds
         g["n"] += 1
-    stats = httpx.get(server.url + "/debug/stats", timeout=30).json()
+    stats = httpx.get(url + "/debug/stats", timeout=30).json()
     chat, decision, ingress = stats["chat"], stats["decision"], stats["ingress"]
     counters = {"chat rows used": chat["rows_used"], "chat running": chat["running"],
                 "chat prefix-cache rows": chat["prefix_cache"]["cached_rows"],
@@ -194,17 +200,17 @@ def series(samples: list[dict]) -> dict[str, list[tuple[float, float]]]:
 
 def summary(samples: list[dict], warmup: float) -> list[dict]:
     """Per series: after warm-up, at the end, the slope per hour after warm-up."""
-    skip = int(len(samples) * warmup)
+    start = samples[min(int(len(samples) * warmup), len(samples) - 1)]["t"]
     rows = []
     for name, points in sorted(series(samples).items()):
-        kept = [p for p in points if p[0] >= samples[skip]["t"]] if samples[skip:] else points
+        kept = [p for p in points if p[0] >= start]
         if kept:
             rows.append({"series": name, "after_warmup": kept[0][1], "end": kept[-1][1],
                          "slope_per_hour": slope_per_hour(kept)})
     return rows
 
 
-async def soak(url: str, rate: float, seconds: float, sample_every: float, on_sample, seed: int = 0) -> Outcomes:
+async def arrivals(url: str, rate: float, seconds: float, sample_every: float, on_sample, seed: int = 0) -> Outcomes:
     """Poisson arrivals of the mix at `rate` per second for `seconds`; `on_sample(t)` every `sample_every` s
     (on a thread, so /proc and /debug/stats reads do not hold up the arrivals); waits for every operation."""
     out, rng, stream = Outcomes(), random.Random(seed), kinds(random.Random(seed + 1))
@@ -226,40 +232,39 @@ async def soak(url: str, rate: float, seconds: float, sample_every: float, on_sa
     return out
 
 
-def wait_idle(server: Server, timeout: float = 60) -> dict:
+def wait_idle(url: str, sid: int, timeout: float = 60) -> dict:
     """The service's counters once nothing runs (the chat engine reports when it goes idle)."""
     deadline = time.monotonic() + timeout
     while True:
-        s = sample(server, 0.0)["counters"]
+        s = sample(url, sid, 0.0)["counters"]
         idle = s["chat running"] == 0 and s["ingress in flight"] == 0 and s["ingress waiting"] == 0
         if idle or time.monotonic() > deadline:
             return s
         time.sleep(0.5)
 
 
-def run(minutes: float, sample_s: float, load: float, calibrate_s: float, rate: float | None,
-        warmup: float, work: Path) -> dict:
-    server = start_ours(ROOT / "models" / "demo-chat", work)
-    try:
-        server.wait_ready()
-        saturation = None
-        if rate is None:
-            saturation = asyncio.run(calibrate(server.url, calibrate_s))
-            rate = load * saturation
-        wait_idle(server)
-        start_procs, before = processes(server.proc.pid), sample(server, 0.0)
-        samples: list[dict] = []
-        out = asyncio.run(soak(server.url, rate, minutes * 60, sample_s, lambda t: samples.append(sample(server, t))))
-        samples.append(sample(server, minutes * 60))
-        idle = wait_idle(server)
-        end_procs, after = processes(server.proc.pid), sample(server, 0.0)
-    finally:
-        server.stop()
+def soak(url: str, sid: int, minutes: float, sample_s: float, rate: float | None = None, load: float = 0.6,
+         calibrate_s: float = 40, warmup: float = 0.25) -> dict:
+    """The soak against the running service at `url` whose processes are session `sid`; `rate` None: `load` x
+    the saturation a calibration measures."""
+    saturation = None
+    if rate is None:
+        saturation = asyncio.run(calibrate(url, calibrate_s))
+        rate = load * saturation
+    wait_idle(url, sid)
+    start_procs, before = processes(sid), sample(url, sid, 0.0)
+    samples: list[dict] = []
+    out = asyncio.run(arrivals(url, rate, minutes * 60, sample_s, lambda t: samples.append(sample(url, sid, t))))
+    samples.append(sample(url, sid, minutes * 60))
+    samples.sort(key=lambda s: s["t"])
+    idle = wait_idle(url, sid)
+    end_procs, after = processes(sid), sample(url, sid, 0.0)
     return {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "minutes": minutes, "rate_per_s": rate, "saturation_per_s": saturation, "load": load,
-            "sent": dict(out.sent), "ok": dict(out.ok),
-            "errors": {f"{k} / {w}": n for (k, w), n in out.errors.items()},
-            "idle_after": idle, "idle_groups": {"before": before["groups"], "after": after["groups"]}, "summary": summary(samples, warmup), "samples": samples,
+            "minutes": minutes, "rate_per_s": rate, "saturation_per_s": saturation,
+            "load": load if saturation else None, "sent": dict(out.sent), "ok": dict(out.ok),
+            "errors": {f"{k} / {w}": n for (k, w), n in out.errors.items()}, "error_times": out.error_times,
+            "idle_after": idle, "idle_groups": {"before": before["groups"], "after": after["groups"]},
+            "summary": summary(samples, warmup), "samples": samples,
             "processes_gone": sorted(set(start_procs.values()) - set(end_procs.values())),
             "processes_new": sorted(set(end_procs.values()) - set(start_procs.values())),
             "process_count": [len(start_procs), len(end_procs)]}
@@ -275,13 +280,17 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=0.25, help="share of the samples left out of the slopes")
     p.add_argument("--json")
     args = p.parse_args()
-    r = run(args.minutes, args.sample_s, args.load, args.calibrate_s, args.rate, args.warmup,
-            Path(tempfile.mkdtemp(prefix="soak-")))
-    sat = f"{r['saturation_per_s']:.1f}/s saturation, " if r["saturation_per_s"] else ""
-    print(f"{r['date']}, {r['machine']}: {r['minutes']:g} min at {r['rate_per_s']:.1f} operations/s ({sat}"
-          f"load {r['load']:g})")
+    server = start_ours(ROOT / "models" / "demo-chat", Path(tempfile.mkdtemp(prefix="soak-")))
+    try:
+        server.wait_ready()
+        r = soak(server.url, server.proc.pid, args.minutes, args.sample_s, args.rate, args.load, args.calibrate_s,
+                 args.warmup)
+    finally:
+        server.stop()
+    sat = f" ({r['saturation_per_s']:.1f}/s saturation x {r['load']:g})" if r["saturation_per_s"] else ""
+    print(f"{r['date']}, {r['machine']}: {r['minutes']:g} min at {r['rate_per_s']:.1f} operations/s{sat}")
     print(f"sent {sum(r['sent'].values())} ({r['sent']}), answered as they should {sum(r['ok'].values())}")
-    print(f"errors: {r['errors'] or 'none'}; processes {r['process_count'][0]} -> {r['process_count'][1]}, "
+    print(f"errors: {r['errors'] or 'none'}{' at ' + str(r['error_times'][:20]) if r['errors'] else ''}; processes {r['process_count'][0]} -> {r['process_count'][1]}, "
           f"gone {r['processes_gone']}, new {r['processes_new']}; idle after: {r['idle_after']}")
     print(f"{'series':40}{'after warm-up':>15}{'end':>12}{'slope / hour':>14}")
     for row in r["summary"]:

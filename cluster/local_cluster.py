@@ -57,6 +57,7 @@ class LocalCluster:
     # Ray 2.60 authenticates every node and client with a shared token; this cluster gets its own
     token: str = field(default_factory=lambda: secrets.token_hex(32))
     nodes: list[Node] = field(default_factory=list)
+    join_s: list[float] = field(default_factory=list)   # how long each worker took to join, in order
 
     @property
     def address(self) -> str:
@@ -100,7 +101,7 @@ class LocalCluster:
         """A worker node, once it has joined. `ray start` gives up after about 30 s when the GCS is too busy to
         answer (a loaded 2-core host): a node that exits before joining is started again, as an autoscaler
         launches another, up to `attempts` times."""
-        before = self._node_ids()
+        before, t0 = self._node_ids(), time.monotonic()
         for attempt in range(1, attempts + 1):
             name = f"worker{sum(n.name.startswith('worker') for n in self.nodes) + 1}"
             node = self._start(name, ["--address", self.address, "--num-cpus", str(num_cpus),
@@ -108,6 +109,7 @@ class LocalCluster:
             proc, deadline = _PROCS[node.pid], time.monotonic() + timeout
             while time.monotonic() < deadline and proc.poll() is None:
                 if self._node_ids() - before:
+                    self.join_s.append(time.monotonic() - t0)
                     return node
                 time.sleep(1)
             if proc.poll() is None:

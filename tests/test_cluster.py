@@ -4,6 +4,7 @@ run, and the service recovers when a node comes back."""
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -16,6 +17,22 @@ from tests.conftest import tiny_model
 from tests.decision_fixtures import build_checkpoint
 
 pytestmark = pytest.mark.serve
+
+
+@dataclass
+class Deadlines:
+    """How long to wait for a node or for replicas, from what this run measured while it set the cluster up: on a
+    host busy with other work every step is slower, and the measurement already says by how much. The factor
+    covers the load the tests add (decisions and streams while nodes and replicas start); the floors cover a
+    setup that happened to be quick."""
+    node_join_s: float          # the slowest worker's join at setup
+    app_start_s: float          # `serve deploy` to every replica serving
+
+    def node(self) -> float:
+        return max(60.0, 4 * self.node_join_s)
+
+    def replicas(self) -> float:
+        return max(120.0, 4 * self.app_start_s)
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +53,15 @@ def cluster(tmp_path_factory, tokenizer):
     c = LocalCluster()
     try:
         c.start_head()
-        workers = [c.add_worker(), c.add_worker()]
+        workers = [c.add_worker(timeout=300), c.add_worker(timeout=300)]
+        t0 = time.monotonic()
         c.deploy(str(config))
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: healthy(url) and replicas_ready(c), 240, "the application did not start")
-        yield c, url, workers
+        wait_until(lambda: healthy(url) and replicas_ready(c), 600, "the application did not start")
+        deadlines = Deadlines(max(c.join_s), time.monotonic() - t0)
+        print(f"\nsetup: workers joined in {', '.join(f'{t:.1f}' for t in c.join_s)} s, the application served "
+              f"after {deadlines.app_start_s:.1f} s")
+        yield c, url, workers, deadlines
     finally:
         c.stop()
     assert not c.alive_nodes()
@@ -153,7 +174,7 @@ def streaming_replicas(url, tries=30):
 
 
 def test_node_loss_under_load(cluster):
-    c, url, workers = cluster
+    c, url, workers, deadlines = cluster
     for deployment in ("ChatModel", "DecisionModel"):
         assert len(set(c.replica_nodes(deployment))) == 2, "replicas must run on more than one node"
 
@@ -176,10 +197,10 @@ def test_node_loss_under_load(cluster):
         killed_at = time.monotonic()
         c.kill(workers[1])                    # the node dies: SIGKILL to all of its processes
         # the autoscaler's part: a replacement node joins; Serve places the lost replicas on it
-        await asyncio.to_thread(c.add_worker)
-        await asyncio.to_thread(wait_until, lambda: node_ids(c) - before, 120, "the new node did not join")
-        new = node_ids(c) - before
-        await asyncio.to_thread(wait_until, lambda: replicas_ready(c, on=new), 240, "the service did not recover")
+        await asyncio.to_thread(c.add_worker, timeout=deadlines.node())      # returns once Ray lists the node
+        new = await asyncio.to_thread(lambda: node_ids(c) - before)
+        await asyncio.to_thread(wait_until, lambda: replicas_ready(c, on=new), deadlines.replicas(),
+                                "the service did not recover")
         recovered_at = time.monotonic()
         outcomes = await asyncio.wait_for(asyncio.gather(*streams), 180)
         await asyncio.sleep(3)
@@ -227,7 +248,7 @@ def serving(c, n):
 def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_factory):
     """The same application with small autoscaling targets: load takes both models from 1 replica to 2, a
     light load (below the targets) back to 1, and no request fails in either transition."""
-    c, url, _ = cluster
+    c, url, _, deadlines = cluster
     path = next(tmp_path_factory.getbasetemp().glob("cluster*/serve_config.yaml"))
     cfg = yaml.safe_load(path.read_text())
     for d in cfg["applications"][0]["deployments"]:
@@ -239,7 +260,7 @@ def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_fact
     auto = path.with_name("serve_config.autoscaling.yaml")
     auto.write_text(yaml.safe_dump(cfg))
     c.deploy(str(auto))
-    wait_until(lambda: serving(c, 1) and healthy(url), 240, "did not settle at one replica each")
+    wait_until(lambda: serving(c, 1) and healthy(url), deadlines.replicas(), "did not settle at one replica each")
 
     async def scenario():
         heavy, light, decisions, streams = asyncio.Event(), asyncio.Event(), [], []
@@ -248,9 +269,10 @@ def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_fact
         # twice the targets, no more: on a busy 2-core host more load only slows the new replicas' start
         loads = [asyncio.create_task(decision_load(url, heavy, decisions, 4)),
                  asyncio.create_task(chat_load(url, heavy, streams, 4, 300, 200))]
-        await asyncio.to_thread(wait_until, lambda: targets(c) == (2, 2), 240, "no scale-up under load")
+        await asyncio.to_thread(wait_until, lambda: targets(c) == (2, 2), deadlines.replicas(), "no scale-up under load")
         decided_up = time.monotonic() - t0
-        await asyncio.to_thread(wait_until, lambda: serving(c, 2), 240, "the new replicas did not start")
+        await asyncio.to_thread(wait_until, lambda: serving(c, 2), deadlines.replicas(),
+                                "the new replicas did not start")
         up = time.monotonic() - t0
         # below both targets: one client of each kind keeps sending while a replica of each model goes away
         loads += [asyncio.create_task(decision_load(url, light, decisions, 1)),
@@ -258,9 +280,11 @@ def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_fact
         heavy.set()
         await asyncio.wait_for(asyncio.gather(*loads[:2]), 240)
         calm = time.monotonic()
-        await asyncio.to_thread(wait_until, lambda: targets(c) == (1, 1), 240, "no scale-down at light load")
+        await asyncio.to_thread(wait_until, lambda: targets(c) == (1, 1), deadlines.replicas(),
+                                "no scale-down at light load")
         decided_down = time.monotonic() - calm
-        await asyncio.to_thread(wait_until, lambda: serving(c, 1), 240, "the removed replicas did not stop")
+        await asyncio.to_thread(wait_until, lambda: serving(c, 1), deadlines.replicas(),
+                                "the removed replicas did not stop")
         down = time.monotonic() - calm
         await asyncio.sleep(3)              # requests go on after the removed replicas are gone
         light.set()

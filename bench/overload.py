@@ -107,8 +107,7 @@ class PlainClient:
 CLIENTS = {"lean": LeanClient, "plain": PlainClient}
 
 
-async def client_loop(url, deadline, max_tokens, mode, seed, out, client="lean", stream=True):
-    conn = CLIENTS[client](url)
+async def client_loop(conn, deadline, max_tokens, mode, seed, out, stream=True):
     i = 0
     try:
         while time.perf_counter() < deadline:
@@ -134,12 +133,18 @@ async def client_loop(url, deadline, max_tokens, mode, seed, out, client="lean",
         await conn.close()
 
 
-async def run(url, clients, seconds, max_tokens, mode, client="lean", stream=True):
+async def run(url, clients, seconds, max_tokens, mode, client="lean", stream=True, started=None):
+    """`clients` closed-loop clients for `seconds`; each client object is made first, outside the timed run
+    (an httpx client builds an SSL context when made: tens of milliseconds of CPU that an application spends
+    once). `started()` is called as the timed run begins."""
     out = {"rejected": 0, "done": []}
+    conns = [CLIENTS[client](url) for _ in range(clients)]
+    if started:
+        started()
     deadline = time.perf_counter() + seconds
     t0 = time.perf_counter()
-    await asyncio.gather(*(client_loop(url, deadline, max_tokens, mode, c, out, client, stream)
-                           for c in range(clients)))
+    await asyncio.gather(*(client_loop(conn, deadline, max_tokens, mode, c, out, stream)
+                           for c, conn in enumerate(conns)))
     return out, time.perf_counter() - t0
 
 
@@ -183,11 +188,11 @@ def main():
     for mode in args.modes:
         for f in args.factors:
             clients = f * args.saturation
-            pids = session_pids(args.session) if args.session else []
-            before, own = cpu_ticks(pids), resource.getrusage(resource.RUSAGE_SELF)
+            pids, mark = session_pids(args.session) if args.session else [], {}
+            mark_start = lambda: mark.update(before=cpu_ticks(pids), own=resource.getrusage(resource.RUSAGE_SELF))  # noqa: E731
             out, wall = asyncio.run(run(args.url, clients, args.seconds, args.max_tokens, mode, args.client,
-                                        not args.no_stream))
-            cpu = process_cpu(before, cpu_ticks(pids), own)
+                                        not args.no_stream, mark_start))
+            cpu = process_cpu(mark["before"], cpu_ticks(pids), mark["own"])
             done = out["done"]
             tokens = sum(n for _, _, n in done)
             ok = [n for ttft, tpot, n in done if meets_slo(ttft, tpot, n, args.ttft_slo_ms, args.tpot_slo_ms)]

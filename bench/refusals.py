@@ -42,11 +42,11 @@ def main() -> None:
     try:
         server.wait_ready()
         asyncio.run(run(server.url, 8, 2, 8, "immediate", args.client, not args.no_stream))     # warm up
-        pids = session_pids(server.proc.pid)
-        before, own = cpu_ticks(pids), resource.getrusage(resource.RUSAGE_SELF)
+        pids, mark = session_pids(server.proc.pid), {}
+        mark_start = lambda: mark.update(before=cpu_ticks(pids), own=resource.getrusage(resource.RUSAGE_SELF))  # noqa: E731
         out, wall = asyncio.run(run(server.url, args.clients, args.seconds, 8, "immediate", args.client,
-                                    not args.no_stream))
-        cpu = process_cpu(before, cpu_ticks(pids), own)
+                                    not args.no_stream, mark_start))
+        cpu = process_cpu(mark["before"], cpu_ticks(pids), mark["own"])
     finally:
         server.stop()
     refused = out["rejected"]

@@ -18,6 +18,9 @@ from typing import Callable
 from .errors import APIError, error
 
 
+REFUSAL = error("the chat model is at capacity; retry shortly", "overloaded_error", code="overloaded")
+
+
 class Admission:
     def __init__(self, limit: int | None, waiting: int, refusal_delay_s: float = 0.0,
                  on_change: Callable[["Admission"], None] | None = None,
@@ -36,6 +39,18 @@ class Admission:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    @property
+    def full(self) -> bool:
+        """No slot and no waiting place: the next generation would be refused."""
+        return self.limit is not None and self.free <= 0 and len(self._waiters) >= self.max_waiting
+
+    async def refusal(self) -> dict:
+        """Count a refusal, wait `refusal_delay_s`, and give the error body to answer it with."""
+        self._refused()
+        if self.refusal_delay_s:
+            await asyncio.sleep(self.refusal_delay_s)
+        return REFUSAL
+
     async def enter(self) -> "Slot":
         if self.limit is None:
             return Slot(None)
@@ -43,12 +58,8 @@ class Admission:
             self.free -= 1
             self._changed(self)
             return Slot(self)
-        if len(self._waiters) >= self.max_waiting:
-            self._refused()
-            if self.refusal_delay_s:
-                await asyncio.sleep(self.refusal_delay_s)
-            raise APIError(error("the chat model is at capacity; retry shortly", "overloaded_error",
-                                 code="overloaded"))
+        if self.full:
+            raise APIError(await self.refusal())
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         self._changed(self)

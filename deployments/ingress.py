@@ -24,7 +24,7 @@ from core.decision.types import DecisionRequest
 from . import web
 from .admission import Admission, Slot
 from .bodies import read_json
-from .errors import RETRY_AFTER_S, APIError, error, install_handlers, validation_message
+from .errors import RETRY_AFTER_S, APIError, error, error_response, install_handlers, validation_message
 from .generation import respond
 from .openai_api import ChatCompletionRequest, Completion, TextCompletion, TextCompletionRequest, unsupported
 from .openapi import openapi_schema
@@ -37,6 +37,29 @@ app = FastAPI(title="startlux-serve", docs_url=None, redoc_url=None)
 app.openapi = lambda: openapi_schema(app)
 app.include_router(web.router)
 install_handlers(app)
+GENERATION_ROUTES = frozenset(("/v1/chat/completions", "/v1/completions"))
+
+
+class RefuseWhenFull:
+    """Plain ASGI in front of FastAPI: a generation that the chat admission has neither a slot nor a waiting
+    place for is answered 503 here, before routing, the request object, the handler and the exception handlers
+    (bench.refusals: the Ingress's CPU per refusal). A request whose key is wrong goes on, to get its 401."""
+
+    def __init__(self, asgi):
+        self.asgi = asgi
+
+    async def __call__(self, scope, receive, send):
+        ingress = getattr(app.state, "ingress", None)
+        if (scope["type"] == "http" and ingress is not None and ingress.chat_admission.full
+                and scope["method"] == "POST"
+                and scope["path"].removeprefix(scope.get("root_path", "")) in GENERATION_ROUTES
+                and ingress.authorized(dict(scope["headers"]).get(b"authorization", b"").decode("latin-1"))):
+            await error_response(await ingress.chat_admission.refusal())(scope, receive, send)
+            return
+        await self.asgi(scope, receive, send)
+
+
+app.add_middleware(RefuseWhenFull)
 
 
 class Tally:
@@ -69,6 +92,7 @@ class Ingress:
                                        "Generations moved to another chat replica after theirs was lost.")
         self._chat_info: dict | None = None
         self._decision_info: dict | None = None
+        app.state.ingress = self                # RefuseWhenFull reads the admission here (one Ingress per process)
 
     def _admission_changed(self, admission: Admission) -> None:
         in_flight, waiting = self.admission_gauges
@@ -76,12 +100,15 @@ class Ingress:
         waiting.set(admission.waiting)
 
     # ---- shared checks
-    def _authorize(self, request: Request) -> None:
+    def authorized(self, header: str) -> bool:
+        """Whether an Authorization header value carries one of the keys (always, when there are none)."""
         if not self.api_keys:
-            return
-        header = request.headers.get("authorization", "")
+            return True
         token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not any(hmac.compare_digest(token, k) for k in self.api_keys):
+        return any(hmac.compare_digest(token, k) for k in self.api_keys)
+
+    def _authorize(self, request: Request) -> None:
+        if not self.authorized(request.headers.get("authorization", "")):
             raise APIError(error("missing or invalid API key (send Authorization: Bearer <key>)",
                                  "invalid_request_error", code="invalid_api_key"))
 

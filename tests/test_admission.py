@@ -149,3 +149,60 @@ def test_a_stream_that_cannot_be_continued_raises():
     with pytest.raises(APIError) as e:              # no replica takes it within retry_timeout_s
         asyncio.run(run(True, [[[tok(5)], Lost()]] + [[Lost()]] * 50, timeout=0.2))
     assert e.value.body["error"]["code"] == "unavailable"
+
+
+class FakeIngress:
+    def __init__(self, admission, keys=()):
+        self.chat_admission, self.keys = admission, keys
+
+    def authorized(self, header: str) -> bool:
+        return not self.keys or header.removeprefix("Bearer ") in self.keys
+
+
+def asgi_call(asgi, method, path, headers=(), root_path=""):
+    """One request through an ASGI callable: the messages it sent."""
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": root_path + path, "root_path": root_path,
+             "headers": list(headers), "query_string": b""}
+    asyncio.run(asgi(scope, receive, send))
+    return sent
+
+
+def test_a_full_admission_refuses_generations_before_the_app():
+    """RefuseWhenFull answers a generation route's POST with 503 when the admission is full, without calling the
+    app; anything else (other routes, a free slot, a wrong key) goes on to the app."""
+    from deployments.ingress import RefuseWhenFull, app
+
+    reached = []
+
+    async def inner(scope, receive, send):
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 299, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    refusals = []
+    full = Admission(limit=0, waiting=0, on_refusal=lambda: refusals.append(1))
+    guard = RefuseWhenFull(inner)
+    try:
+        app.state.ingress = FakeIngress(full, keys=("k",))
+        key = [(b"authorization", b"Bearer k")]
+        for path, root in (("/v1/chat/completions", ""), ("/v1/completions", "/keyed")):
+            sent = asgi_call(guard, "POST", path, key, root)
+            assert sent[0]["status"] == 503 and (b"retry-after", b"1") in sent[0]["headers"]
+            assert b"overloaded_error" in sent[1]["body"]
+        assert reached == [] and len(refusals) == 2
+        for method, path, headers in (("POST", "/v1/systemone", key), ("GET", "/v1/chat/completions", key),
+                                      ("POST", "/v1/chat/completions", [(b"authorization", b"Bearer nope")])):
+            assert asgi_call(guard, method, path, headers)[0]["status"] == 299
+        app.state.ingress = FakeIngress(Admission(limit=1, waiting=0))
+        assert asgi_call(guard, "POST", "/v1/chat/completions")[0]["status"] == 299
+        assert len(reached) == 4 and len(refusals) == 2
+    finally:
+        del app.state.ingress

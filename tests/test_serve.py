@@ -735,11 +735,15 @@ def test_ingress_admission_refuses_before_reading_the_body(service):
         while httpx.get(f"{url}/debug/stats", headers=auth).json()["ingress"]["chat_waiting"] < 1:
             assert time.time() < deadline
             time.sleep(0.1)
-        t0 = time.time()
+        t0, counted = time.time(), httpx.get(f"{url}/debug/stats", headers=auth).json()["ingress"]["chat_refused"]
         refused = client.post(f"{url}/v1/chat/completions", content=b"{not json at all",
                               headers={"content-type": "application/json"})
         assert refused.status_code == 503 and refused.headers["retry-after"]   # not a 400: the body was never read
         assert refused.json()["error"]["type"] == "overloaded_error" and time.time() - t0 >= 0.2
+        # a wrong key is still told so while the model is full (the early refusal checks the key first)
+        wrong = client.post(f"{url}/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer no"})
+        assert wrong.status_code == 401
+        assert httpx.get(f"{url}/debug/stats", headers=auth).json()["ingress"]["chat_refused"] == counted + 1
         for s in streams:
             s.__exit__(None, None, None)
         waiting.join(timeout=60)

@@ -5,7 +5,6 @@ the panels are the ones the docs describe."""
 import asyncio
 import collections
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -110,6 +109,18 @@ class Prometheus:
         self.log.close()
 
 
+RAY_DISCOVERY = "/tmp/ray/prom_metrics_service_discovery.json"
+
+
+def session_dir(svc: ReadmeService) -> Path:
+    """The Ray session directory of the service's cluster, from its raylet's command line."""
+    for pid in svc.members():
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if argv[0].endswith(b"/raylet"):
+            return Path(next(a for a in argv if a.startswith(b"--session_dir=")).split(b"=", 1)[1].decode())
+    raise AssertionError("the service has no raylet")
+
+
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     """The README's service, and Debian's Prometheus scraping it with the shipped local config (every second);
@@ -118,20 +129,21 @@ def live(tmp_path_factory):
         pytest.skip("needs Debian's prometheus (apt-get install prometheus; CI installs it)")
     tmp = tmp_path_factory.mktemp("operations")
     svc = ReadmeService(tmp)
-    prom_cfg = yaml.safe_load(LOCAL.read_text())
-    prom_cfg["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
-    haproxy = next(j for j in prom_cfg["scrape_configs"] if j["job_name"] == "haproxy")
-    haproxy["static_configs"] = [{"targets": [f"127.0.0.1:{svc.side_ports['RAY_SERVE_HAPROXY_METRICS_PORT']}"]}]
-    config = tmp / "prometheus.yml"
-    config.write_text(yaml.safe_dump(prom_cfg))
     prom = None
     try:
         svc.start()
-        # the shipped config reads Ray's discovery file at its fixed path: a link Ray points at this run's own
-        deadline, link = time.monotonic() + 60, "/tmp/ray/prom_metrics_service_discovery.json"
-        while not os.path.realpath(link).startswith(os.path.realpath("/tmp/ray/session_latest") + "/"):
-            assert time.monotonic() < deadline, f"{link} never pointed at this run's session"
-            time.sleep(0.5)
+        # the shipped config, on this run's ports and files: Ray's discovery file at /tmp/ray is a link to the
+        # newest cluster's (each cluster's dashboard points it at its own), so with another Ray cluster on the
+        # machine the test reads this cluster's file in its session directory, as docs/deployment.md says to
+        prom_cfg = yaml.safe_load(LOCAL.read_text())
+        prom_cfg["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+        ray_job = next(j for j in prom_cfg["scrape_configs"] if j["job_name"] == "ray")
+        assert ray_job["file_sd_configs"] == [{"files": [RAY_DISCOVERY]}]
+        ray_job["file_sd_configs"] = [{"files": [str(session_dir(svc) / Path(RAY_DISCOVERY).name)]}]
+        haproxy = next(j for j in prom_cfg["scrape_configs"] if j["job_name"] == "haproxy")
+        haproxy["static_configs"] = [{"targets": [f"127.0.0.1:{svc.side_ports['RAY_SERVE_HAPROXY_METRICS_PORT']}"]}]
+        config = tmp / "prometheus.yml"
+        config.write_text(yaml.safe_dump(prom_cfg))
         prom = Prometheus(config, tmp)
         yield svc, prom
     finally:

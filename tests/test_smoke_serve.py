@@ -251,7 +251,8 @@ def test_readme_serve_command_starts_answers_and_every_stop_leaves_nothing(servi
                        ("ctrl-c", ReadmeService.stop)]:
         t0 = time.monotonic()
         stop(service)
-        left = service.wait_gone(90)
+        # a stop takes longer on a busy host, as the start did: the limit follows the first start's time
+        left = service.wait_gone(max(90.0, 2 * took["start"]))
         took[name] = time.monotonic() - t0
         if name == "ray stopped":
             # Ray's dashboard and runtime-env agents outlive a raylet stopped under them (Ray 2.60); the test

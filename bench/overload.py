@@ -148,14 +148,23 @@ async def run(url, clients, seconds, max_tokens, mode, client="lean", stream=Tru
     return out, time.perf_counter() - t0
 
 
-def process_cpu(before: dict[int, int], after: dict[int, int], own: resource.struct_rusage) -> dict[str, float]:
-    """CPU seconds per process group of the service between two readings, and this load generator's own."""
-    per = collections.defaultdict(float)
-    for pid, t in after.items():
-        per[name_of(pid)] += (t - before.get(pid, t)) / TICK
-    now = resource.getrusage(resource.RUSAGE_SELF)
-    per["load generator"] = now.ru_utime + now.ru_stime - own.ru_utime - own.ru_stime
-    return dict(per)
+class CpuMark:
+    """CPU seconds per process group of the service (`pids`), and this load generator's own, from `start()`
+    (passed to `run` as `started`, so the clients' making is not counted) to `seconds()`."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = pids
+
+    def start(self) -> None:
+        self.before, self.own = cpu_ticks(self.pids), resource.getrusage(resource.RUSAGE_SELF)
+
+    def seconds(self) -> dict[str, float]:
+        per = collections.defaultdict(float)
+        for pid, t in cpu_ticks(self.pids).items():
+            per[name_of(pid)] += (t - self.before.get(pid, t)) / TICK
+        now = resource.getrusage(resource.RUSAGE_SELF)
+        per["load generator"] = now.ru_utime + now.ru_stime - self.own.ru_utime - self.own.ru_stime
+        return dict(per)
 
 
 def meets_slo(ttft_s, tpot_s, tokens, ttft_slo_ms, tpot_slo_ms) -> bool:
@@ -188,11 +197,10 @@ def main():
     for mode in args.modes:
         for f in args.factors:
             clients = f * args.saturation
-            pids, mark = session_pids(args.session) if args.session else [], {}
-            mark_start = lambda: mark.update(before=cpu_ticks(pids), own=resource.getrusage(resource.RUSAGE_SELF))  # noqa: E731
+            mark = CpuMark(session_pids(args.session) if args.session else [])
             out, wall = asyncio.run(run(args.url, clients, args.seconds, args.max_tokens, mode, args.client,
-                                        not args.no_stream, mark_start))
-            cpu = process_cpu(mark["before"], cpu_ticks(pids), mark["own"])
+                                        not args.no_stream, mark.start))
+            cpu = mark.seconds()
             done = out["done"]
             tokens = sum(n for _, _, n in done)
             ok = [n for ttft, tpot, n in done if meets_slo(ttft, tpot, n, args.ttft_slo_ms, args.tpot_slo_ms)]
@@ -206,7 +214,8 @@ def main():
             print(f"{mode:10}{clients:8d}{r['goodput_tokens_per_s']:15.1f}{r['slo_goodput_tokens_per_s']:13.1f}"
                   f"{len(done):7d}{out['rejected']:8d}{(r['ttft_p50_ms'] or 0):10.1f}", flush=True)
             if args.session:
-                print("    CPU s: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])))
+                busiest = sorted(cpu.items(), key=lambda kv: -kv[1])
+                print("    CPU s: " + ", ".join(f"{k} {v:.2f}" for k, v in busiest))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": f"{platform.machine()}, {platform.python_version()}", "slo": {

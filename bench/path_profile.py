@@ -48,7 +48,8 @@ def name_of(pid: int) -> str:
     for key, label in (("haproxy", "HAProxy"), ("ServeReplica:startlux:Ingress", "Ingress replica"),
                        ("ServeReplica:startlux:ChatModel", "chat replica"),
                        ("ServeReplica:startlux:DecisionModel", "decision replica"),
-                       ("engine_process", "chat engine process"), ("core.decision", "decision process"), ("ProxyActor", "Serve proxy"),
+                       ("engine_process", "chat engine process"), ("core.decision", "decision process"),
+                       ("ProxyActor", "Serve proxy"),
                        ("ServeController", "Serve controller"), ("raylet", "raylet"), ("gcs_server", "GCS"),
                        ("serve run", "serve run"), ("dashboard", "Ray dashboard"), ("log_monitor", "Ray log monitor")):
         if key in cmd:

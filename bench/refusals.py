@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import resource
 import tempfile
 from pathlib import Path
 
-from bench.overload import process_cpu, run
-from bench.path_profile import cpu_ticks, session_pids
+from bench.overload import CpuMark, run
+from bench.path_profile import session_pids
 from bench.vllm_peer import ROOT, app_overrides, start_ours
 
 REFUSE_ALL = {"max_chat_inflight": 0, "max_chat_waiting": 0, "refusal_delay_s": 0}
@@ -42,11 +41,10 @@ def main() -> None:
     try:
         server.wait_ready()
         asyncio.run(run(server.url, 8, 2, 8, "immediate", args.client, not args.no_stream))     # warm up
-        pids, mark = session_pids(server.proc.pid), {}
-        mark_start = lambda: mark.update(before=cpu_ticks(pids), own=resource.getrusage(resource.RUSAGE_SELF))  # noqa: E731
+        mark = CpuMark(session_pids(server.proc.pid))
         out, wall = asyncio.run(run(server.url, args.clients, args.seconds, 8, "immediate", args.client,
-                                    not args.no_stream, mark_start))
-        cpu = process_cpu(mark["before"], cpu_ticks(pids), mark["own"])
+                                    not args.no_stream, mark.start))
+        cpu = mark.seconds()
     finally:
         server.stop()
     refused = out["rejected"]

@@ -290,7 +290,8 @@ def main() -> None:
     sat = f" ({r['saturation_per_s']:.1f}/s saturation x {r['load']:g})" if r["saturation_per_s"] else ""
     print(f"{r['date']}, {r['machine']}: {r['minutes']:g} min at {r['rate_per_s']:.1f} operations/s{sat}")
     print(f"sent {sum(r['sent'].values())} ({r['sent']}), answered as they should {sum(r['ok'].values())}")
-    print(f"errors: {r['errors'] or 'none'}{' at ' + str(r['error_times'][:20]) if r['errors'] else ''}; processes {r['process_count'][0]} -> {r['process_count'][1]}, "
+    when = f" at {r['error_times'][:20]}" if r["errors"] else ""
+    print(f"errors: {r['errors'] or 'none'}{when}; processes {r['process_count'][0]} -> {r['process_count'][1]}, "
           f"gone {r['processes_gone']}, new {r['processes_new']}; idle after: {r['idle_after']}")
     print(f"{'series':40}{'after warm-up':>15}{'end':>12}{'slope / hour':>14}")
     for row in r["summary"]:

@@ -82,7 +82,8 @@ class Ingress:
         self.chat_stream = chat.options(stream=True)   # built once: options() per request costs a handle copy
         self.api_keys = [k for k in settings.api_keys if k]
         self.retry = RetryPolicy(settings.retry_timeout_s)
-        self.chat_refused = Tally("ingress_chat_refused_total", "Generations refused with 503 by the Ingress's admission.")
+        self.chat_refused = Tally("ingress_chat_refused_total",
+                                  "Generations refused with 503 by the Ingress's admission.")
         self.admission_gauges = (Gauge("ingress_chat_in_flight", "Generations this Ingress replica has admitted."),
                                  Gauge("ingress_chat_waiting", "Generations waiting in this Ingress for a slot."))
         self.chat_admission = Admission(settings.max_chat_inflight, settings.max_chat_waiting,

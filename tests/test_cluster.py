@@ -283,7 +283,8 @@ def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_fact
         # twice the targets, no more: on a busy 2-core host more load only slows the new replicas' start
         loads = [asyncio.create_task(decision_load(url, heavy, decisions, 4)),
                  asyncio.create_task(chat_load(url, heavy, streams, 4, 300, 200))]
-        await asyncio.to_thread(wait_until, lambda: targets(c) == (2, 2), deadlines.replicas(), "no scale-up under load")
+        await asyncio.to_thread(wait_until, lambda: targets(c) == (2, 2), deadlines.replicas(),
+                                "no scale-up under load")
         decided_up = time.monotonic() - t0
         await asyncio.to_thread(wait_until, lambda: serving(c, 2), deadlines.replicas(),
                                 "the new replicas did not start")

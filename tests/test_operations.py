@@ -26,7 +26,8 @@ PROMETHEUS = shutil.which("prometheus")
 needs_prometheus = pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus (apt-get install "
                                                                   "prometheus; CI installs it)")
 # A panel whose series appear only with an event this test does not cause: where that event is tested
-EVENT_ONLY = {"Streams continued": "tests/test_serve.py, test_streams_continue_on_another_replica_when_theirs_is_killed"}
+EVENT_ONLY = {"Streams continued":
+              "tests/test_serve.py, test_streams_continue_on_another_replica_when_theirs_is_killed"}
 
 
 def panels() -> list[dict]:

@@ -96,7 +96,7 @@ def wait_until(cond, timeout, message):
         if cond():
             return
         time.sleep(1)
-    raise AssertionError(message)
+    raise AssertionError(message() if callable(message) else message)
 
 
 DECISION = {"state": "the cat is red", "questions": {
@@ -114,15 +114,27 @@ async def decision_load(url, stop: asyncio.Event, results: list, clients: int = 
         await asyncio.gather(*(worker() for _ in range(clients)))
 
 
-async def chat_load(url, stop: asyncio.Event, outcomes: list, clients: int, max_tokens: int, first: int):
-    """`clients` clients, each streaming one chat completion after another until `stop` (a conversation of its
-    own each time, numbered from `first`); every stream's outcome in `outcomes`."""
+async def chat_load(url, stop: asyncio.Event, outcomes: list, clients: int, max_tokens: int, first: int,
+                    stream: bool = True):
+    """`clients` clients, each asking for one chat completion after another until `stop` (a conversation of its
+    own each time, numbered from `first`), streamed or whole; every request's outcome in `outcomes`."""
     async def worker(i):
         n = 0
         while not stop.is_set():
-            outcomes.append((await chat_stream(url, max_tokens, first + 1000 * i + n))[0])
+            call = chat_stream if stream else chat_whole
+            outcomes.append((await call(url, max_tokens, first + 1000 * i + n))[0])
             n += 1
     await asyncio.gather(*(worker(i) for i in range(clients)))
+
+
+async def chat_whole(url, max_tokens, i=0):
+    """-> ("done" | "error", tokens): one chat completion, not streamed."""
+    body = {"messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": max_tokens}
+    async with httpx.AsyncClient(timeout=300) as client:
+        r = await client.post(f"{url}/v1/chat/completions", json=body)
+    if r.status_code != 200:
+        return "error", 0
+    return ("done" if r.json()["choices"][0]["finish_reason"] else "error"), r.json()["usage"]["completion_tokens"]
 
 
 async def chat_stream(url, max_tokens, i=0, texts=None, pauses=None, progress=None):
@@ -259,6 +271,13 @@ def serving(c, n):
                             for m in ms)
 
 
+def replica_states(c):
+    """Serve's target and replica states of the two models, for a failure's message."""
+    ms = models(c)
+    return ms and {name: (m["target_num_replicas"], [r["state"] for r in m["replicas"]])
+                   for name, m in zip(("ChatModel", "DecisionModel"), ms)}
+
+
 def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_factory):
     """The same application with small autoscaling targets: load takes both models from 1 replica to 2, a
     light load (below the targets) back to 1, and no request fails in either transition."""
@@ -269,8 +288,12 @@ def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_fact
         if d["name"] in ("ChatModel", "DecisionModel"):
             d.pop("num_replicas", None)
             d["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
-                                       "upscale_delay_s": 1, "downscale_delay_s": 8, "look_back_period_s": 2}
+                                       "upscale_delay_s": 1, "downscale_delay_s": 10, "look_back_period_s": 2}
             d["graceful_shutdown_timeout_s"] = 120
+        if d["name"] == "DecisionModel":
+            # a batch waits half a second to fill: each request spends that long on the replica, so the clients'
+            # ongoing count stays above the target however slowly a busy host carries them between requests
+            d["user_config"] = {**d.get("user_config", {}), "batch_wait_timeout_s": 0.5}
     auto = path.with_name("serve_config.autoscaling.yaml")
     auto.write_text(yaml.safe_dump(cfg))
     c.deploy(str(auto))
@@ -279,15 +302,18 @@ def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_fact
     async def scenario():
         heavy, light, decisions, streams = asyncio.Event(), asyncio.Event(), [], []
         t0 = time.monotonic()
-        # above both targets (2 ongoing requests per replica) for as long as scaling up takes
-        # twice the targets, no more: on a busy 2-core host more load only slows the new replicas' start
-        loads = [asyncio.create_task(decision_load(url, heavy, decisions, 4)),
-                 asyncio.create_task(chat_load(url, heavy, streams, 4, 300, 200))]
+        # above both targets (2 ongoing requests per replica) for as long as scaling up takes, with requests that
+        # stay on the replica without costing the host much: decisions wait for their batch to fill, chat
+        # completions come whole (streams would cost the Ingress a relay per token, the CPU the new replicas need
+        # to start, and the Ingress's delays would keep the decisions off their replica: Serve saw their count
+        # fall under the target and stopped the replica it was starting, again and again)
+        loads = [asyncio.create_task(decision_load(url, heavy, decisions, 6)),
+                 asyncio.create_task(chat_load(url, heavy, streams, 6, 300, 200, stream=False))]
         await asyncio.to_thread(wait_until, lambda: targets(c) == (2, 2), deadlines.replicas(),
                                 "no scale-up under load")
         decided_up = time.monotonic() - t0
         await asyncio.to_thread(wait_until, lambda: serving(c, 2), deadlines.replicas(),
-                                "the new replicas did not start")
+                                lambda: f"the new replicas did not start: {replica_states(c)}")
         up = time.monotonic() - t0
         # below both targets: one client of each kind keeps sending while a replica of each model goes away
         loads += [asyncio.create_task(decision_load(url, light, decisions, 1)),
@@ -299,7 +325,7 @@ def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_fact
                                 "no scale-down at light load")
         decided_down = time.monotonic() - calm
         await asyncio.to_thread(wait_until, lambda: serving(c, 1), deadlines.replicas(),
-                                "the removed replicas did not stop")
+                                lambda: f"the removed replicas did not stop: {replica_states(c)}")
         down = time.monotonic() - calm
         await asyncio.sleep(3)              # requests go on after the removed replicas are gone
         light.set()

@@ -683,7 +683,9 @@ def test_redeploy_under_load_cuts_no_stream_and_fails_no_decision(service, tmp_p
     options = {"ChatModel": dict(small, max_ongoing_requests=32, graceful_shutdown_timeout_s=60),
                "DecisionModel": dict(small, max_ongoing_requests=16, graceful_shutdown_timeout_s=60,
                                      user_config={"max_batch_size": 4, "batch_wait_timeout_s": 0.01}),
-               "Ingress": dict(small, max_ongoing_requests=256)}
+               # as serve_config.yaml: the old Ingress holds its requests until they end (Serve's default of 20 s
+               # killed it on a busy host while a decision waited for the new decision replica: the proxy's 500)
+               "Ingress": dict(small, max_ongoing_requests=256, graceful_shutdown_timeout_s=60)}
     args = dict(chat_checkpoint=str(chat_dir), decision_checkpoint=str(decision_dir), device="cpu",
                 chat_max_rows=MAX_ROWS, max_message_chars=2000)
     serve.run(wire(AppArgs(**args), options), name="drain", route_prefix="/drain")
@@ -698,7 +700,8 @@ def test_redeploy_under_load_cuts_no_stream_and_fails_no_decision(service, tmp_p
 
     def decide():
         while not done.is_set():
-            decisions.append(httpx.post(f"{url}/v1/systemone", json=decision_body(), timeout=120).status_code)
+            r = httpx.post(f"{url}/v1/systemone", json=decision_body(), timeout=120)
+            decisions.append(r.status_code if r.status_code == 200 else (r.status_code, r.text[:500]))
 
     done = threading.Event()
     workers = [threading.Thread(target=stream, args=(i,)) for i in range(4)] + [threading.Thread(target=decide)]
@@ -717,7 +720,7 @@ def test_redeploy_under_load_cuts_no_stream_and_fails_no_decision(service, tmp_p
         assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events)
         text = [e for e in events if isinstance(e, dict) and e.get("choices")]
         assert text[-1]["choices"][0]["finish_reason"] == "length"    # ran to max_tokens, not cut
-    assert decisions and set(decisions) == {200}, set(decisions)
+    assert decisions and set(decisions) == {200}, [d for d in decisions if d != 200]
     serve.delete("drain")
 
 

@@ -7,6 +7,11 @@ import random
 # The request path production runs (docs/configuration.md): set before anything imports Ray, whose Serve constants are read
 # once at import, so the in-process Serve of the tests and every Ray worker it starts agree.
 os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+# On that path Ray keeps a stopping Ingress replica reachable for 30 s so that load balancers in front of it can
+# deregister it; in the tests the only party in front is Serve's proxy or HAProxy on the same host, which learns of
+# the stop within a second, so each replaced or deleted Ingress would only sit out the window (a minute of every
+# service's teardown, half a minute per stop in the stop test). Inherited by every Ray process the tests start.
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
 """Soak: an hour of mixed traffic at a fraction of saturation, and whether anything grows that should not.
 
     python -m bench.soak [--minutes 60] [--sample-s 60] [--load 0.6] [--calibrate-s 40] [--rate OPS]
-                         [--warmup 0.25] [--json out.json]
+                         [--warmup 0.25] [--trace-s 0] [--json out.json]
 
 Starts serve_config.cpu.yaml's service on the demo models as the README does (HAProxy through the launcher, in
 a session of its own, stopped by its group id), then:
@@ -40,6 +40,7 @@ import os
 import platform
 import random
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,10 +244,37 @@ def wait_idle(url: str, sid: int, timeout: float = 60) -> dict:
         time.sleep(0.5)
 
 
+class Trace(threading.Thread):
+    """Every `every` s until stopped: the Ingress's admission, the chat engine's streams and the decision
+    batches from /debug/stats, with how long the call took (a stalled Ingress shows there): (t, row) in `rows`."""
+
+    def __init__(self, url: str, every: float, t0: float):
+        super().__init__(daemon=True)
+        self.url, self.every, self.t0, self.rows, self.done = url, every, t0, [], threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self.done.wait(self.every):
+                t = time.monotonic()
+                try:
+                    s = client.get(self.url + "/debug/stats").json()
+                except (httpx.HTTPError, ValueError):
+                    self.rows.append((round(t - self.t0, 1), None))
+                    continue
+                self.rows.append((round(t - self.t0, 1), {
+                    "stats_s": round(time.monotonic() - t, 3), "in_flight": s["ingress"]["chat_in_flight"],
+                    "waiting": s["ingress"]["chat_waiting"], "refused": s["ingress"].get("chat_refused"),
+                    "running": s["chat"]["running"], "decision_batches": s["decision"]["batches"]}))
+
+    def around(self, t: float, before: float = 15, after: float = 3) -> list:
+        return [r for r in self.rows if t - before <= r[0] <= t + after]
+
+
 def soak(url: str, sid: int, minutes: float, sample_s: float, rate: float | None = None, load: float = 0.6,
-         calibrate_s: float = 40, warmup: float = 0.25) -> dict:
+         calibrate_s: float = 40, warmup: float = 0.25, trace_s: float = 0) -> dict:
     """The soak against the running service at `url` whose processes are session `sid`; `rate` None: `load` x
-    the saturation a calibration measures."""
+    the saturation a calibration measures. `trace_s`: also read the admission, streams and decision batches
+    that often, and report them around each error."""
     saturation = None
     if rate is None:
         saturation = asyncio.run(calibrate(url, calibrate_s))
@@ -254,7 +282,16 @@ def soak(url: str, sid: int, minutes: float, sample_s: float, rate: float | None
     wait_idle(url, sid)
     start_procs, before = processes(sid), sample(url, sid, 0.0)
     samples: list[dict] = []
-    out = asyncio.run(arrivals(url, rate, minutes * 60, sample_s, lambda t: samples.append(sample(url, sid, t))))
+    trace = Trace(url, trace_s, time.monotonic()) if trace_s else None
+    if trace:
+        trace.start()
+    try:
+        out = asyncio.run(arrivals(url, rate, minutes * 60, sample_s,
+                                   lambda t: samples.append(sample(url, sid, t))))
+    finally:
+        if trace:
+            trace.done.set()
+            trace.join()
     samples.append(sample(url, sid, minutes * 60))
     samples.sort(key=lambda s: s["t"])
     idle = wait_idle(url, sid)
@@ -267,7 +304,9 @@ def soak(url: str, sid: int, minutes: float, sample_s: float, rate: float | None
             "summary": summary(samples, warmup), "samples": samples,
             "processes_gone": sorted(set(start_procs.values()) - set(end_procs.values())),
             "processes_new": sorted(set(end_procs.values()) - set(start_procs.values())),
-            "process_count": [len(start_procs), len(end_procs)]}
+            "process_count": [len(start_procs), len(end_procs)],
+            "trace_around_errors": [{"error": e, "trace": trace.around(e[0])} for e in out.error_times[:20]]
+            if trace else None}
 
 
 def main() -> None:
@@ -278,13 +317,15 @@ def main() -> None:
     p.add_argument("--calibrate-s", type=float, default=40)
     p.add_argument("--rate", type=float, help="operations per second (skips the calibration)")
     p.add_argument("--warmup", type=float, default=0.25, help="share of the samples left out of the slopes")
+    p.add_argument("--trace-s", type=float, default=0,
+                   help="read the admission, streams and decision batches this often; shown around each error")
     p.add_argument("--json")
     args = p.parse_args()
     server = start_ours(ROOT / "models" / "demo-chat", Path(tempfile.mkdtemp(prefix="soak-")))
     try:
         server.wait_ready()
         r = soak(server.url, server.proc.pid, args.minutes, args.sample_s, args.rate, args.load, args.calibrate_s,
-                 args.warmup)
+                 args.warmup, args.trace_s)
     finally:
         server.stop()
     sat = f" ({r['saturation_per_s']:.1f}/s saturation x {r['load']:g})" if r["saturation_per_s"] else ""
@@ -296,6 +337,10 @@ def main() -> None:
     print(f"{'series':40}{'after warm-up':>15}{'end':>12}{'slope / hour':>14}")
     for row in r["summary"]:
         print(f"{row['series']:40}{row['after_warmup']:15.1f}{row['end']:12.1f}{row['slope_per_hour']:14.2f}")
+    for e in r["trace_around_errors"] or []:
+        print(f"around {e['error']}:")
+        for t, row in e["trace"]:
+            print(f"  {t:8.1f} {row}")
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1))
 

@@ -71,6 +71,19 @@ class Child:
             except OSError as e:
                 raise died(f"{self.what} has stopped ({e})") from None
 
+    def records(self, logger):
+        """What the child sends, until the connection ends or a record cannot be read: then this process and the
+        child no longer agree on the records (a child started from other code), nothing more from it can be
+        trusted, and the error is logged. The caller's reader treats both as the child lost."""
+        while True:
+            try:
+                yield self.conn.recv()
+            except (EOFError, OSError):
+                return
+            except Exception:
+                logger.exception("an unreadable record from %s %d", self.what, self.pid)
+                return
+
     def alive(self) -> bool:
         return not self.closed and self.proc.poll() is None
 
@@ -110,6 +123,37 @@ class Child:
                 self.conn.close()
             except OSError:
                 pass
+
+
+class MemoryReturn:
+    """Hands the C allocator's free memory back to the system at most every `interval_s` (glibc's
+    `malloc_trim(0)`; a no-op elsewhere).
+
+    A decision pass allocates and frees tensors of many sizes (prefix states, keys of every length, activations of
+    every batch shape); glibc keeps what is freed inside its heaps for reuse, so a long-running scorer's resident
+    memory creeps up although nothing is held (bench/README.md, "An hour of mixed traffic": the decision process
+    grew 44 MB an hour, and a trim at the end of a scorer-alone run gave back nearly all of its growth). A trim
+    walks the heaps and releases their free pages: a few milliseconds, once in a while."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self.last = time.monotonic()
+        self.trims = 0
+        try:
+            import ctypes
+
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            self._trim = None
+
+    def maybe(self) -> bool:
+        """Trim if `interval_s` has passed since the last one; whether it did."""
+        if self._trim is None or self.interval_s <= 0 or time.monotonic() - self.last < self.interval_s:
+            return False
+        self._trim(0)
+        self.last = time.monotonic()
+        self.trims += 1
+        return True
 
 
 def child_main(argv: list[str], serve, name: str) -> int:

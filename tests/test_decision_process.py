@@ -123,3 +123,62 @@ def test_batch_merger_runs_what_came_meanwhile_as_one_call():
     # submitted together while idle, boom and y run as one call; it raises, so both fail; the merger goes on
     assert calls[3:] == [["boom", "y"], ["h"]]
     assert all(isinstance(o, ValueError) for o in outcome) and later == ["answer h"]
+
+
+def rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_memory_return_gives_freed_heap_pages_back():
+    """What the decision child relies on: after many small blocks are freed between blocks still held, glibc
+    keeps the pages; MemoryReturn's trim hands them back (and not more often than its interval)."""
+    import ctypes
+
+    from core.child import MemoryReturn
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(64 * 1024) for _ in range(4000)]      # 250 MB below the mmap threshold: on the heap
+    for b in blocks:
+        ctypes.memset(b, 1, 64 * 1024)
+    for b in blocks[:-1]:                                       # the last one pins the heap's top
+        libc.free(b)
+    memory = MemoryReturn(interval_s=3600)
+    memory.last -= 3600
+    before = rss_kb(os.getpid())
+    assert memory.maybe() and not memory.maybe()                # once, then not until the interval has passed
+    after = rss_kb(os.getpid())
+    libc.free(blocks[-1])
+    assert before - after > 200 * 1024, (before, after)
+
+
+def test_the_child_returns_memory_between_batches(ckpt):
+    scorer = ProcessScorer(Start(ckpt, DecisionConfig(max_batch_tokens=512), "cpu", 1, return_memory_s=0.05))
+    try:
+        for _ in range(3):        # each Done counts the returns before it: the one after the 2nd shows in the 3rd
+            asyncio.run(scorer.decide_batch(REQUESTS[:1]))
+            asyncio.run(asyncio.sleep(0.1))
+        assert 1 <= scorer.memory_returns <= 2                  # after a batch, once its interval has passed
+    finally:
+        scorer.shutdown()
+
+
+def test_an_unreadable_record_fails_the_call_instead_of_hanging(ckpt, monkeypatch):
+    """A record the parent cannot read (a child started from other code than the parent's) ends the reader:
+    the waiting call fails with ScorerDied, the scorer reports itself dead, and nothing hangs."""
+    from core.decision import process
+
+    scorer = ProcessScorer(Start(ckpt, DecisionConfig(max_batch_tokens=512), "cpu", 1))
+    try:
+        class OtherDone:
+            def __init__(self, *fields):
+                raise TypeError("a Done of other code")
+        monkeypatch.setattr(process, "Done", OtherDone)           # what the parent unpickles Done records as
+        with pytest.raises(ScorerDied):
+            asyncio.run(asyncio.wait_for(scorer.decide_batch(REQUESTS[:1]), 120))
+        assert not scorer.alive()
+    finally:
+        monkeypatch.undo()
+        scorer.shutdown()

@@ -153,6 +153,25 @@ def test_a_dead_engine_ends_open_streams(checkpoint):
         pe.shutdown()
 
 
+def test_an_unreadable_record_ends_open_streams_instead_of_hanging(checkpoint, monkeypatch):
+    """A record the parent cannot read (a child started from other code than the parent's) ends the reader:
+    the open stream fails with EngineDied, the engine reports itself dead, and nothing hangs."""
+    from core.chat import protocol
+
+    pe = ProcessEngine(Start(checkpoint, "cpu", EngineConfig(max_rows=2)))
+    try:
+        class OtherEvents:
+            def __init__(self, *fields):
+                raise TypeError("Events of other code")
+        monkeypatch.setattr(protocol, "Events", OtherEvents)    # what the parent unpickles Events records as
+        with pytest.raises(EngineDied):
+            run(stream_tokens(pe, [1, 2, 3], SamplingParams(max_tokens=4)), timeout=60)
+        assert not pe.alive()
+    finally:
+        monkeypatch.undo()
+        pe.shutdown()
+
+
 def test_child_exits_when_its_parent_dies(checkpoint, tmp_path):
     """A replica killed outright must not leave its engine process behind."""
     script = textwrap.dedent(f"""

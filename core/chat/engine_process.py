@@ -103,24 +103,22 @@ class ProcessEngine(EngineClient):
 
     def _read(self) -> None:
         """The reader thread: blocks on the socket (without the GIL) and routes what the child sends."""
-        while True:
-            try:
-                msg = self.child.conn.recv()
-            except (EOFError, OSError):
-                break
-            match msg:
-                case Events(events):
-                    self._deliver(events)
-                case Rejected(rid, error):
-                    self._fail([rid], error)
-                case Stats(stats):
-                    self._stats = stats
-                    if self.on_stats is not None:
-                        self.on_stats(stats)
-        self.child.lost(logger)
-        # nobody waits forever: every open request ends with an error
-        for rid in list(self._queues):              # one exception per request: each is raised in its own task
-            self._fail([rid], EngineDied("the chat engine process stopped"))
+        try:
+            for msg in self.child.records(logger):
+                match msg:
+                    case Events(events):
+                        self._deliver(events)
+                    case Rejected(rid, error):
+                        self._fail([rid], error)
+                    case Stats(stats):
+                        self._stats = stats
+                        if self.on_stats is not None:
+                            self.on_stats(stats)
+        finally:
+            self.child.lost(logger)
+            # however the reader ends, nobody waits forever: every open request ends with an error
+            for rid in list(self._queues):          # one exception per request: each is raised in its own task
+                self._fail([rid], EngineDied("the chat engine process stopped"))
 
     def _submit(self, prompt: list[int], params: SamplingParams, rid: str, resume: list[int] | None) -> None:
         self.child.send(Add(rid, list(prompt), params, tuple(resume or ())), EngineDied)

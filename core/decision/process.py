@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
-from ..child import Child, child_main
+from ..child import Child, MemoryReturn, child_main
 from .config import DecisionConfig
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ class Start(msgspec.Struct, frozen=True):
     config: DecisionConfig
     device: str | None = None
     torch_threads: int | None = None
+    return_memory_s: float = 30.0   # free memory back to the system at most this often (child.MemoryReturn)
 
 
 class Ready(msgspec.Struct, frozen=True):
@@ -60,6 +61,7 @@ class Done(msgspec.Struct, frozen=True):
     call: int
     results: list              # per request: (answers, usage) or its DecisionValidationError
     prefix_stats: dict
+    memory_returns: int = 0    # free memory handed back to the system so far (child.MemoryReturn)
 
 
 class Crashed(msgspec.Struct, frozen=True):
@@ -105,6 +107,7 @@ class ThreadScorer:
     def __init__(self, start: Start):
         self.scorer = build_scorer(start)
         self.info = scorer_info(self.scorer)
+        self.memory_returns = 0    # the caller's process: its memory is the caller's business
 
     async def decide_batch(self, requests: list) -> list:
         return await asyncio.to_thread(run_batch, self.scorer, requests)
@@ -129,6 +132,7 @@ class ProcessScorer:
         self.child = Child("core.decision.process", "the decision process", start, Ready, start_timeout_s)
         self.proc = self.child.proc
         self.info, self._prefix_stats = self.child.ready.info, self.child.ready.prefix_stats
+        self.memory_returns = 0
         self._reader = threading.Thread(target=self._read, name="decision-reader", daemon=True)
         self._reader.start()
 
@@ -150,20 +154,18 @@ class ProcessScorer:
         return await future
 
     def _read(self) -> None:
-        while True:
-            try:
-                msg = self.child.conn.recv()
-            except (EOFError, OSError):
-                break
-            match msg:
-                case Done(call, results, stats):
-                    self._prefix_stats = stats
-                    self._resolve(call, results=results)
-                case Crashed(call, message):
-                    self._resolve(call, error=RuntimeError(f"the decision model failed:\n{message}"))
-        self.child.lost(logger)                    # a call registered after this: its send raises ScorerDied
-        for call in list(self._calls):             # nobody waits forever
-            self._resolve(call, error=ScorerDied("the decision process stopped"))
+        try:
+            for msg in self.child.records(logger):
+                match msg:
+                    case Done(call, results, stats, returns):
+                        self._prefix_stats, self.memory_returns = stats, returns
+                        self._resolve(call, results=results)
+                    case Crashed(call, message):
+                        self._resolve(call, error=RuntimeError(f"the decision model failed:\n{message}"))
+        finally:                                   # however the reader ends, nobody waits forever
+            self.child.lost(logger)                # a call registered after this: its send raises ScorerDied
+            for call in list(self._calls):
+                self._resolve(call, error=ScorerDied("the decision process stopped"))
 
     def _resolve(self, call: int, results=None, error: BaseException | None = None) -> None:
         target = self._calls.pop(call, None)
@@ -208,6 +210,7 @@ def serve_scorer(conn: Connection) -> None:
         conn.send(Failed(traceback.format_exc()))
         return
     conn.send(Ready(scorer_info(scorer), scorer.prefix_cache.stats()))
+    memory = MemoryReturn(start.return_memory_s)
     while True:
         match conn.recv():                 # EOFError when the parent is gone: the process ends
             case Decide(call, requests):
@@ -217,7 +220,9 @@ def serve_scorer(conn: Connection) -> None:
                     logger.exception("decision batch failed")
                     conn.send(Crashed(call, traceback.format_exc(limit=5)))
                     continue
-                conn.send(Done(call, results, scorer.prefix_cache.stats()))
+                conn.send(Done(call, results, scorer.prefix_cache.stats(), memory.trims))
+                if not conn.poll():        # between batches, with none waiting
+                    memory.maybe()
             case Stop():
                 return
 

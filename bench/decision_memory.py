@@ -1,0 +1,100 @@
+"""The decision scorer alone under the soak's decision mix: does its memory grow once the prefix cache is full?
+
+    python -m bench.decision_memory [--requests 20000] [--cache-mb 32] [--sample 500] [--trim-every 0]
+                                    [--threads 1] [--json out.json]
+
+The soak (bench/soak.py) saw the decision process grow by about 44 MB an hour after its prefix cache had
+reached its limit. This runs the demo decision checkpoint's scorer in this process, with no service around it,
+on the soak's decision bodies (half on 8 recurring long states, half fresh short ones) in batches of 1 to 16,
+and reads this process's resident memory every --sample requests. At the end it calls glibc's `malloc_trim(0)`
+and reads it again: memory that the trim gives back was free inside the allocator (freed by the scorer but kept
+by malloc's arenas), memory that stays is held by something. --trim-every N trims after every N requests
+instead, to see whether the growth is there at all when freed memory goes back. Set MALLOC_ARENA_MAX or
+MALLOC_MMAP_THRESHOLD_ in the environment to try the allocator's settings.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import random
+import time
+
+from bench.soak import decision_body
+from core.decision import DecisionConfig, StartLuxDecision
+from core.child import ROOT
+
+CHECKPOINT = os.path.join(ROOT, "models", "demo-decision")
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def trim() -> None:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def slope_per_1000(samples: list[tuple[int, float]]) -> float:
+    """Least-squares MB per 1,000 requests."""
+    n = len(samples)
+    if n < 2:
+        return 0.0
+    mx = sum(x for x, _ in samples) / n
+    my = sum(y for _, y in samples) / n
+    den = sum((x - mx) ** 2 for x, _ in samples)
+    return 1000 * sum((x - mx) * (y - my) for x, y in samples) / den if den else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=20000)
+    ap.add_argument("--cache-mb", type=float, default=32)
+    ap.add_argument("--sample", type=int, default=500)
+    ap.add_argument("--trim-every", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    import torch
+    torch.set_num_threads(args.threads)
+    scorer = StartLuxDecision(CHECKPOINT, DecisionConfig(prefix_cache_mb=args.cache_mb, max_batch_tokens=4096))
+    rng = random.Random(args.seed)
+    samples, full_at, done, t0 = [(0, rss_mb())], None, 0, time.monotonic()
+    while done < args.requests:
+        n = min(rng.randint(1, 16), args.requests - done)
+        batch = [(b["state"], b["questions"]) for b in (decision_body(rng) for _ in range(n))]
+        scorer.decide_batch(batch)
+        before, done = done, done + n
+        if args.trim_every and done // args.trim_every > before // args.trim_every:
+            trim()
+        if done // args.sample > before // args.sample:
+            stats = scorer.prefix_cache.stats()
+            if full_at is None and stats["bytes"] > 0.9 * stats["capacity_bytes"]:
+                full_at = done
+            samples.append((done, rss_mb()))
+            print(f"{done:>7} requests  rss {samples[-1][1]:7.1f} MB  cache {stats['bytes'] / 2**20:6.1f} MB "
+                  f"{stats['entries']:>5} entries  {time.monotonic() - t0:6.0f} s", flush=True)
+    after_full = [s for s in samples if full_at is not None and s[0] >= full_at]
+    end = rss_mb()
+    trim()
+    trimmed = rss_mb()
+    result = {"requests": done, "cache_mb": args.cache_mb, "trim_every": args.trim_every,
+              "env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+              "cache_full_at": full_at, "rss_when_full_mb": after_full[0][1] if after_full else None,
+              "rss_end_mb": end, "rss_after_trim_mb": trimmed,
+              "mb_per_1000_after_full": slope_per_1000(after_full), "samples": samples}
+    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

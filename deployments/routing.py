@@ -15,8 +15,8 @@ of queue lengths) does not hold a conversation hostage. Requests without history
 
 Two details of Serve's routing loop matter here. A replica whose queue length is not cached is probed with a
 deadline (0.1 s, doubled on each round); a holder that misses it on a busy host would lose its conversation,
-so the holder is tried alone first and with the others only from the second round, which Serve starts at
-once with the longer deadline. And Serve backs off between rounds only when the router says so
+so the holder is tried alone for the first `holder_rounds` rounds (3: 0.1 + 0.2 + 0.4 s of deadlines), each
+started at once with the longer deadline, and with the others only after that. And Serve backs off between rounds only when the router says so
 (`routing_context.should_backoff`, which its own routers set when they offer every replica): without it, a
 request that finds every replica full re-probes them in a busy loop (tests/test_routing.py counts).
 
@@ -64,21 +64,22 @@ class _Routing:
     """A request being routed: its keys, computed once (routing may take several rounds, and
     on_request_routed needs them again), and whether its holder was already offered alone."""
     keys: list[int]
-    holder_tried: bool = False
+    holder_offers: int = 0          # rounds in which its holder was offered alone
 
 
 class ConversationAffinityRouter(RequestRouter):
-    def initialize_state(self, max_keys: int = 200_000, imbalance: int = 8):
+    def initialize_state(self, max_keys: int = 200_000, imbalance: int = 8, holder_rounds: int = 3):
         self._owner: OrderedDict[int, ReplicaID] = OrderedDict()
         self._max_keys = max_keys
         self._imbalance = imbalance
+        self._holder_rounds = holder_rounds
         # bounded for requests cancelled before they are routed
         self._pending: OrderedDict[str, _Routing] = OrderedDict()
 
     def _routing(self, pending_request: PendingRequest | None, done: bool = False) -> _Routing:
         """The routing state of a request (popped with `done`)."""
         if pending_request is None or not pending_request.args:
-            return _Routing([], True)
+            return _Routing([])
         rid = pending_request.metadata.internal_request_id
         entry = self._pending.pop(rid, None) if done else self._pending.get(rid)
         if entry is None:
@@ -114,8 +115,8 @@ class ConversationAffinityRouter(RequestRouter):
         holder = self.holder(routing.keys, by_id)
         if holder is not None and self._too_busy(holder, candidate_replicas):
             holder = None
-        if holder is not None and not routing.holder_tried:
-            routing.holder_tried = True      # first round: the holder alone, the next one without a back-off
+        if holder is not None and routing.holder_offers < self._holder_rounds:
+            routing.holder_offers += 1       # the holder alone, the next round without a back-off
             self._backoff_after(pending_request, False)
             return [[holder]]
         self._backoff_after(pending_request, True)

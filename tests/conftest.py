@@ -83,3 +83,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def unreadable_records(monkeypatch, module, name: str) -> None:
+    """From now on this process cannot read the records a child sends as `module.name` (unpickling looks the class
+    up there): what a child started from other code than its parent's would send."""
+    class Other:
+        def __init__(self, *fields):
+            raise TypeError(f"a {name} record of other code")
+    monkeypatch.setattr(module, name, Other)

@@ -7,6 +7,7 @@ import pytest
 
 from core.decision import DecisionConfig, DecisionValidationError, StartLuxDecision
 from core.decision.process import ProcessScorer, ScorerDied, Start, ThreadScorer
+from tests.conftest import unreadable_records
 from tests.decision_fixtures import build_checkpoint
 
 REQUESTS = [
@@ -172,10 +173,7 @@ def test_an_unreadable_record_fails_the_call_instead_of_hanging(ckpt, monkeypatc
 
     scorer = ProcessScorer(Start(ckpt, DecisionConfig(max_batch_tokens=512), "cpu", 1))
     try:
-        class OtherDone:
-            def __init__(self, *fields):
-                raise TypeError("a Done of other code")
-        monkeypatch.setattr(process, "Done", OtherDone)           # what the parent unpickles Done records as
+        unreadable_records(monkeypatch, process, "Done")
         with pytest.raises(ScorerDied):
             asyncio.run(asyncio.wait_for(scorer.decide_batch(REQUESTS[:1]), 120))
         assert not scorer.alive()

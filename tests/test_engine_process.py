@@ -16,7 +16,7 @@ from core.chat.async_engine import AsyncEngine
 from core.chat.engine_process import ProcessEngine, start_engine
 from core.chat.protocol import (EngineConfig, EngineDied, GenerateRequest, SamplingParams as Params, Start, StreamError,
                                 TokenEvent)
-from tests.conftest import tiny_model
+from tests.conftest import tiny_model, unreadable_records
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -160,10 +160,7 @@ def test_an_unreadable_record_ends_open_streams_instead_of_hanging(checkpoint, m
 
     pe = ProcessEngine(Start(checkpoint, "cpu", EngineConfig(max_rows=2)))
     try:
-        class OtherEvents:
-            def __init__(self, *fields):
-                raise TypeError("Events of other code")
-        monkeypatch.setattr(protocol, "Events", OtherEvents)    # what the parent unpickles Events records as
+        unreadable_records(monkeypatch, protocol, "Events")
         with pytest.raises(EngineDied):
             run(stream_tokens(pe, [1, 2, 3], SamplingParams(max_tokens=4)), timeout=60)
         assert not pe.alive()

@@ -73,9 +73,9 @@ def test_a_conversation_goes_back_to_the_replica_that_took_it():
     asyncio.run(main())
 
 
-def test_a_holder_slow_to_answer_a_probe_keeps_its_conversation():
-    """The holder's queue length is not cached and its first probe misses Serve's 0.1 s deadline: the
-    request waits for the next round (twice the deadline) instead of moving to a replica without its cache."""
+def test_a_holder_slow_to_answer_probes_keeps_its_conversation():
+    """The holder's queue length is not cached and its first two probes miss Serve's deadlines (0.1 s, then
+    0.2 s): the request waits for the next round (0.4 s) instead of moving to a replica without its cache."""
     async def main():
         a, b = FakeReplica("a"), FakeReplica("b")
         router = make_router(a, b)
@@ -83,9 +83,9 @@ def test_a_holder_slow_to_answer_a_probe_keeps_its_conversation():
         holder = await route(router, history)
         slow = a if holder == "a" else b
         router._replica_queue_len_cache.invalidate_key(slow.replica_id)
-        slow.probe_delays = [0.15]
+        slow.probe_delays = [0.15, 0.3]
         assert await route(router, turn(history, 0)) == holder
-        assert slow.probes >= 2                               # it was asked again, with the longer deadline
+        assert slow.probes >= 3                               # it was asked again, with longer deadlines
     asyncio.run(main())
 
 

@@ -15,40 +15,20 @@ MALLOC_MMAP_THRESHOLD_ in the environment to try the allocator's settings.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import random
 import time
 
-from bench.soak import decision_body
+from bench.soak import decision_body, read_int, slope
+from core.child import ROOT, MemoryReturn
 from core.decision import DecisionConfig, StartLuxDecision
-from core.child import ROOT
 
 CHECKPOINT = os.path.join(ROOT, "models", "demo-decision")
 
 
 def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
-
-
-def trim() -> None:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def slope_per_1000(samples: list[tuple[int, float]]) -> float:
-    """Least-squares MB per 1,000 requests."""
-    n = len(samples)
-    if n < 2:
-        return 0.0
-    mx = sum(x for x, _ in samples) / n
-    my = sum(y for _, y in samples) / n
-    den = sum((x - mx) ** 2 for x, _ in samples)
-    return 1000 * sum((x - mx) * (y - my) for x, y in samples) / den if den else 0.0
+    return read_int("/proc/self/status", "VmRSS:") / 1024
 
 
 def main() -> None:
@@ -65,7 +45,7 @@ def main() -> None:
     import torch
     torch.set_num_threads(args.threads)
     scorer = StartLuxDecision(CHECKPOINT, DecisionConfig(prefix_cache_mb=args.cache_mb, max_batch_tokens=4096))
-    rng = random.Random(args.seed)
+    rng, memory = random.Random(args.seed), MemoryReturn(0)
     samples, full_at, done, t0 = [(0, rss_mb())], None, 0, time.monotonic()
     while done < args.requests:
         n = min(rng.randint(1, 16), args.requests - done)
@@ -73,7 +53,7 @@ def main() -> None:
         scorer.decide_batch(batch)
         before, done = done, done + n
         if args.trim_every and done // args.trim_every > before // args.trim_every:
-            trim()
+            memory.trim()
         if done // args.sample > before // args.sample:
             stats = scorer.prefix_cache.stats()
             if full_at is None and stats["bytes"] > 0.9 * stats["capacity_bytes"]:
@@ -83,13 +63,13 @@ def main() -> None:
                   f"{stats['entries']:>5} entries  {time.monotonic() - t0:6.0f} s", flush=True)
     after_full = [s for s in samples if full_at is not None and s[0] >= full_at]
     end = rss_mb()
-    trim()
+    memory.trim()
     trimmed = rss_mb()
     result = {"requests": done, "cache_mb": args.cache_mb, "trim_every": args.trim_every,
               "env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
               "cache_full_at": full_at, "rss_when_full_mb": after_full[0][1] if after_full else None,
               "rss_end_mb": end, "rss_after_trim_mb": trimmed,
-              "mb_per_1000_after_full": slope_per_1000(after_full), "samples": samples}
+              "mb_per_1000_after_full": 1000 * slope(after_full), "samples": samples}
     print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
     if args.json:
         with open(args.json, "w") as f:

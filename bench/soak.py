@@ -178,14 +178,19 @@ def sample(url: str, sid: int, t: float) -> dict:
     return {"t": t, "groups": dict(groups), "counters": counters}
 
 
-def slope_per_hour(points: list[tuple[float, float]]) -> float:
-    """Least-squares slope of (seconds, value) points, per hour."""
+def slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (x, y) points (0 for fewer than two distinct x)."""
     if len(points) < 2:
         return 0.0
     n = len(points)
-    mt, mv = sum(t for t, _ in points) / n, sum(v for _, v in points) / n
-    var = sum((t - mt) ** 2 for t, _ in points)
-    return 3600 * sum((t - mt) * (v - mv) for t, v in points) / var if var else 0.0
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+
+
+def slope_per_hour(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, value) points, per hour."""
+    return 3600 * slope(points)
 
 
 def series(samples: list[dict]) -> dict[str, list[tuple[float, float]]]:

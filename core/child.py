@@ -150,10 +150,15 @@ class MemoryReturn:
         """Trim if `interval_s` has passed since the last one; whether it did."""
         if self._trim is None or self.interval_s <= 0 or time.monotonic() - self.last < self.interval_s:
             return False
-        self._trim(0)
-        self.last = time.monotonic()
-        self.trims += 1
+        self.trim()
         return True
+
+    def trim(self) -> None:
+        """Trim now (where glibc is there)."""
+        if self._trim is not None:
+            self._trim(0)
+            self.last = time.monotonic()
+            self.trims += 1
 
 
 def child_main(argv: list[str], serve, name: str) -> int:

@@ -16,9 +16,10 @@ of queue lengths) does not hold a conversation hostage. Requests without history
 Two details of Serve's routing loop matter here. A replica whose queue length is not cached is probed with a
 deadline (0.1 s, doubled on each round); a holder that misses it on a busy host would lose its conversation,
 so the holder is tried alone for the first `holder_rounds` rounds (3: 0.1 + 0.2 + 0.4 s of deadlines), each
-started at once with the longer deadline, and with the others only after that. And Serve backs off between rounds only when the router says so
-(`routing_context.should_backoff`, which its own routers set when they offer every replica): without it, a
-request that finds every replica full re-probes them in a busy loop (tests/test_routing.py counts).
+started at once with the longer deadline, and with the others only after that. And Serve backs off between
+rounds only when the router says so (`routing_context.should_backoff`, which its own routers set when they
+offer every replica): without it, a request that finds every replica full re-probes them in a busy loop
+(tests/test_routing.py counts).
 
 Ray ships `PrefixCacheAffinityRouter` (ray.serve.llm.request_router) for the same purpose; it reads a routed
 request's `messages`/`prompt` attributes, matches characters in a tree held by a detached actor and calls
@@ -62,7 +63,7 @@ def conversation_keys(request: Any) -> list[int]:
 @dataclass
 class _Routing:
     """A request being routed: its keys, computed once (routing may take several rounds, and
-    on_request_routed needs them again), and whether its holder was already offered alone."""
+    on_request_routed needs them again), and how many rounds its holder was offered alone in."""
     keys: list[int]
     holder_offers: int = 0          # rounds in which its holder was offered alone
 

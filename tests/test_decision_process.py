@@ -5,6 +5,7 @@ import signal
 
 import pytest
 
+from bench.soak import read_int
 from core.decision import DecisionConfig, DecisionValidationError, StartLuxDecision
 from core.decision.process import ProcessScorer, ScorerDied, Start, ThreadScorer
 from tests.conftest import unreadable_records
@@ -126,11 +127,6 @@ def test_batch_merger_runs_what_came_meanwhile_as_one_call():
     assert all(isinstance(o, ValueError) for o in outcome) and later == ["answer h"]
 
 
-def rss_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-
-
 def test_memory_return_gives_freed_heap_pages_back():
     """What the decision child relies on: after many small blocks are freed between blocks still held, glibc
     keeps the pages; MemoryReturn's trim hands them back (and not more often than its interval)."""
@@ -148,9 +144,9 @@ def test_memory_return_gives_freed_heap_pages_back():
         libc.free(b)
     memory = MemoryReturn(interval_s=3600)
     memory.last -= 3600
-    before = rss_kb(os.getpid())
+    before = read_int("/proc/self/status", "VmRSS:")
     assert memory.maybe() and not memory.maybe()                # once, then not until the interval has passed
-    after = rss_kb(os.getpid())
+    after = read_int("/proc/self/status", "VmRSS:")
     libc.free(blocks[-1])
     assert before - after > 200 * 1024, (before, after)
 

@@ -1,7 +1,9 @@
-"""Operations against the README's service: two minutes of bench/soak.py's mixed load lose and leak nothing; Debian's
-Prometheus scrapes the service with the shipped local config (cluster/prometheus) and every panel of the Grafana
-dashboard (cluster/grafana) has series; the metric names docs/deployment.md gives are the names Prometheus sees;
-the panels are the ones the docs describe."""
+"""Operations against the README's service, started once for the module: two minutes of bench/soak.py's mixed
+load lose and leak nothing; Debian's Prometheus scrapes the service with the shipped local config
+(cluster/prometheus) and every panel of the Grafana dashboard (cluster/grafana) has series; the metric names
+docs/deployment.md gives are the names Prometheus sees; the panels are the ones the docs describe. Last, the
+service answers and listens only where it should, and every way of stopping it leaves nothing behind, so that it
+starts again on the same ports."""
 import asyncio
 import collections
 import json
@@ -17,7 +19,8 @@ import yaml
 
 from bench.soak import MIX, soak
 from tests.test_serve import free_port
-from tests.test_smoke_serve import ReadmeService
+from tests.readme_service import (ReadmeService, check_answers, check_listeners, stop_ray, stop_serve_shutdown,
+                                  stop_sigterm, stop_sigterm_then_sigkill)
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "cluster" / "grafana" / "startlux-serve.json"
@@ -123,36 +126,42 @@ def session_dir(svc: ReadmeService) -> Path:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    """The README's service, and Debian's Prometheus scraping it with the shipped local config (every second);
-    both stopped by their pids."""
-    if PROMETHEUS is None:
-        pytest.skip("needs Debian's prometheus (apt-get install prometheus; CI installs it)")
-    tmp = tmp_path_factory.mktemp("operations")
-    svc = ReadmeService(tmp)
-    prom = None
+def service(tmp_path_factory):
+    """The README's service, started once for the module's tests; the last of them stops it in every way."""
+    svc = ReadmeService(tmp_path_factory.mktemp("operations"))
     try:
         svc.start()
-        # the shipped config, on this run's ports and files: Ray's discovery file at /tmp/ray is a link to the
-        # newest cluster's (each cluster's dashboard points it at its own), so with another Ray cluster on the
-        # machine the test reads this cluster's file in its session directory, as docs/deployment.md says to
-        prom_cfg = yaml.safe_load(LOCAL.read_text())
-        prom_cfg["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
-        ray_job = next(j for j in prom_cfg["scrape_configs"] if j["job_name"] == "ray")
-        assert ray_job["file_sd_configs"] == [{"files": [RAY_DISCOVERY]}]
-        ray_job["file_sd_configs"] = [{"files": [str(session_dir(svc) / Path(RAY_DISCOVERY).name)]}]
-        haproxy = next(j for j in prom_cfg["scrape_configs"] if j["job_name"] == "haproxy")
-        haproxy["static_configs"] = [{"targets": [f"127.0.0.1:{svc.side_ports['RAY_SERVE_HAPROXY_METRICS_PORT']}"]}]
-        config = tmp / "prometheus.yml"
-        config.write_text(yaml.safe_dump(prom_cfg))
-        prom = Prometheus(config, tmp)
-        yield svc, prom
+        yield svc
     finally:
-        if prom is not None:
-            prom.stop()
         if svc.proc is not None and svc.proc.poll() is None:
             svc.stop()
             svc.wait_gone(90)
+
+
+@pytest.fixture(scope="module")
+def live(service, tmp_path_factory):
+    """The service, and Debian's Prometheus scraping it with the shipped local config (every second); Prometheus
+    stopped by its pid."""
+    if PROMETHEUS is None:
+        pytest.skip("needs Debian's prometheus (apt-get install prometheus; CI installs it)")
+    svc, tmp = service, tmp_path_factory.mktemp("prometheus")
+    # the shipped config, on this run's ports and files: Ray's discovery file at /tmp/ray is a link to the
+    # newest cluster's (each cluster's dashboard points it at its own), so with another Ray cluster on the
+    # machine the test reads this cluster's file in its session directory, as docs/deployment.md says to
+    prom_cfg = yaml.safe_load(LOCAL.read_text())
+    prom_cfg["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    ray_job = next(j for j in prom_cfg["scrape_configs"] if j["job_name"] == "ray")
+    assert ray_job["file_sd_configs"] == [{"files": [RAY_DISCOVERY]}]
+    ray_job["file_sd_configs"] = [{"files": [str(session_dir(svc) / Path(RAY_DISCOVERY).name)]}]
+    haproxy = next(j for j in prom_cfg["scrape_configs"] if j["job_name"] == "haproxy")
+    haproxy["static_configs"] = [{"targets": [f"127.0.0.1:{svc.side_ports['RAY_SERVE_HAPROXY_METRICS_PORT']}"]}]
+    config = tmp / "prometheus.yml"
+    config.write_text(yaml.safe_dump(prom_cfg))
+    prom = Prometheus(config, tmp)
+    try:
+        yield svc, prom
+    finally:
+        prom.stop()
 
 
 @pytest.mark.serve
@@ -215,3 +224,25 @@ def test_prometheus_scrapes_the_service_and_every_panel_has_series(live):
     missing = [n for n in documented if n != "chat_streams_continued_total"      # EVENT_ONLY
                and f"ray_{n}" not in names and f"ray_{n}_bucket" not in names]
     assert not missing, missing
+
+
+@pytest.mark.serve
+def test_readme_serve_command_answers_and_every_stop_leaves_nothing(service):
+    """The service answers and listens on loopback; then each way of stopping it, each followed by a start on the
+    same ports. Runs last in the module: it ends the service the other tests share."""
+    took = {"first start": service.start_s[0]}
+    check_answers(service.url)
+    check_listeners(service)
+    for name, stop in [("sigterm then sigkill", stop_sigterm_then_sigkill), ("sigterm", stop_sigterm),
+                       ("serve shutdown", stop_serve_shutdown), ("ray stopped", stop_ray),
+                       ("ctrl-c", ReadmeService.stop)]:
+        t0 = time.monotonic()
+        stop(service)
+        # a stop takes longer on a busy host, as the start did: the limit follows the first start's time
+        left = service.wait_gone(max(90.0, 2 * service.start_s[0]))
+        took[name] = time.monotonic() - t0
+        assert not left, f"left running after {name}: {left}"
+        if name != "ctrl-c":
+            took[f"start after {name}"] = service.start()
+            assert httpx.get(f"{service.url}/v1/models", timeout=30).status_code == 200
+    print({k: round(v, 1) for k, v in took.items()})

@@ -464,6 +464,24 @@ def test_multi_turn_chat_reuses_the_previous_turn(service):
     assert stats["hit_tokens"] >= cached and stats["query_tokens"] >= stats["hit_tokens"]
 
 
+def affinity_app(base: Path) -> tuple[dict, dict]:
+    """The application's arguments and deployment options with two chat replicas behind the conversation-affinity
+    router, on the module's checkpoints under `base` (pytest's base temporary directory). Every deployment
+    drains for up to 60 s when replaced, as serve_config.yaml lets them (the redeploy test replaces them)."""
+    chat_dir = next(base.glob("serve*/chat"))
+    small = {"ray_actor_options": {"num_cpus": 0.1}, "graceful_shutdown_timeout_s": 60}
+    router = {"request_router_class": "deployments.routing:ConversationAffinityRouter"}
+    options = {"ChatModel": dict(small, num_replicas=2, max_ongoing_requests=64, request_router_config=router),
+               "DecisionModel": dict(small, max_ongoing_requests=16,
+                                     user_config={"max_batch_size": 4, "batch_wait_timeout_s": 0.01}),
+               # Serve's default of 20 s killed a replaced Ingress on a busy host while a decision waited for the
+               # new decision replica (the proxy's 500)
+               "Ingress": dict(small, max_ongoing_requests=256)}
+    args = dict(chat_checkpoint=str(chat_dir), decision_checkpoint=str(chat_dir.parent / "decision"), device="cpu",
+                chat_max_rows=MAX_ROWS, max_body_bytes=200_000, max_message_chars=4000)
+    return args, options
+
+
 @pytest.fixture(scope="module")
 def affinity(service, tmp_path_factory, tokenizer):
     """The same application with two chat replicas behind the conversation-affinity router."""
@@ -471,15 +489,7 @@ def affinity(service, tmp_path_factory, tokenizer):
 
     from deployments.app import AppArgs, wire
 
-    root = tmp_path_factory.getbasetemp()
-    chat_dir = next(root.glob("serve*/chat"))
-    small = {"ray_actor_options": {"num_cpus": 0.1}}
-    router = {"request_router_class": "deployments.routing:ConversationAffinityRouter"}
-    options = {"ChatModel": dict(small, num_replicas=2, max_ongoing_requests=64, request_router_config=router),
-               "DecisionModel": dict(small, user_config={"max_batch_size": 4, "batch_wait_timeout_s": 0.01}),
-               "Ingress": dict(small, max_ongoing_requests=256)}
-    args = dict(chat_checkpoint=str(chat_dir), decision_checkpoint=str(chat_dir.parent / "decision"), device="cpu",
-                chat_max_rows=MAX_ROWS, max_body_bytes=200_000, max_message_chars=4000)
+    args, options = affinity_app(tmp_path_factory.getbasetemp())
     serve.run(wire(AppArgs(**args), options), name="affinity", route_prefix="/affinity")
     yield f"{service}/affinity"
     serve.delete("affinity")
@@ -614,7 +624,7 @@ def test_streams_continue_on_another_replica_when_theirs_is_killed(service, affi
 
 # ---- the published OpenAPI schema, fuzzed (schemathesis), on a small-context model so every case is quick
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fuzz_api(service, tmp_path_factory, tokenizer):
     import schemathesis
     from ray import serve
@@ -670,26 +680,16 @@ def test_fuzzed_api(fuzz_api):
     assert any(code == 200 for _, code in ran) and any(code == 400 for _, code in ran)
 
 
-def test_redeploy_under_load_cuts_no_stream_and_fails_no_decision(service, tmp_path_factory):
-    """A `serve deploy` that replaces the chat and decision replicas while streams run: the old replicas drain
-    (finish what they have, up to graceful_shutdown_timeout_s), new requests go to the new ones."""
+def test_redeploy_under_load_cuts_no_stream_and_fails_no_decision(affinity, tmp_path_factory):
+    """A `serve deploy` that replaces the chat, decision and Ingress replicas of the affinity application while
+    streams run: the old replicas drain (finish what they have, up to graceful_shutdown_timeout_s), new requests
+    go to the new ones. The module's last use of that application."""
     from ray import serve
 
     from deployments.app import AppArgs, wire
 
-    base = tmp_path_factory.getbasetemp()
-    chat_dir, decision_dir = next(base.glob("serve*/chat")), next(base.glob("serve*/decision"))
-    small = {"ray_actor_options": {"num_cpus": 0.1}}
-    options = {"ChatModel": dict(small, max_ongoing_requests=32, graceful_shutdown_timeout_s=60),
-               "DecisionModel": dict(small, max_ongoing_requests=16, graceful_shutdown_timeout_s=60,
-                                     user_config={"max_batch_size": 4, "batch_wait_timeout_s": 0.01}),
-               # as serve_config.yaml: the old Ingress holds its requests until they end (Serve's default of 20 s
-               # killed it on a busy host while a decision waited for the new decision replica: the proxy's 500)
-               "Ingress": dict(small, max_ongoing_requests=256, graceful_shutdown_timeout_s=60)}
-    args = dict(chat_checkpoint=str(chat_dir), decision_checkpoint=str(decision_dir), device="cpu",
-                chat_max_rows=MAX_ROWS, max_message_chars=2000)
-    serve.run(wire(AppArgs(**args), options), name="drain", route_prefix="/drain")
-    url = f"{service}/drain"
+    args, options = affinity_app(tmp_path_factory.getbasetemp())
+    url = affinity
     streams, decisions, started = [], [], threading.Event()
 
     def stream(i):
@@ -709,7 +709,7 @@ def test_redeploy_under_load_cuts_no_stream_and_fails_no_decision(service, tmp_p
     assert started.wait(60)
     old = httpx.get(f"{url}/debug/stats").json()["chat"]["replica"]
     serve.run(wire(AppArgs(**dict(args, chat_stream_interval=2, decision_max_length=60000)), options),
-              name="drain", route_prefix="/drain")                 # new versions of both models
+              name="affinity", route_prefix="/affinity")           # new versions of both models
     late = chat(url, {"messages": user("after"), "max_tokens": 4})  # served by the new replicas
     done.set()
     [w.join(timeout=180) for w in workers]
@@ -721,7 +721,6 @@ def test_redeploy_under_load_cuts_no_stream_and_fails_no_decision(service, tmp_p
         text = [e for e in events if isinstance(e, dict) and e.get("choices")]
         assert text[-1]["choices"][0]["finish_reason"] == "length"    # ran to max_tokens, not cut
     assert decisions and set(decisions) == {200}, [d for d in decisions if d != 200]
-    serve.delete("drain")
 
 
 def test_ingress_admission_refuses_before_reading_the_body(service):

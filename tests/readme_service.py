@@ -1,5 +1,5 @@
-"""The README's serve command as a subprocess: it starts, answers, listens only where it should, and every way
-of stopping it leaves nothing behind, so that it starts again on the same ports."""
+"""The README's serve command as a subprocess, for tests/test_operations.py: start it, check that it answers and
+listens only where it should, stop it each way an operator or a supervisor would, and see what is left."""
 import os
 import re
 import shlex
@@ -11,13 +11,11 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 import yaml
 
 from tests.test_serve import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.serve
 
 
 def readme_serve_command() -> tuple[dict, list[str]]:
@@ -99,19 +97,22 @@ class ReadmeService:
         # HAProxy's own listeners (metrics, stats) and Serve's fallback proxy on free ports, not their fixed defaults
         self.side_ports = {"RAY_SERVE_HAPROXY_METRICS_PORT": free_port(), "RAY_SERVE_HAPROXY_STATS_PORT": free_port(),
                            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": free_port()}
+        # After its GCS is gone, `serve run` (a Ray driver) and the dashboard wait Ray's reconnect timeout (60 s)
+        # before they exit; the stop test stops the cluster under them once, and 15 s of that are enough here
         self.env = env | {k: str(v) for k, v in self.side_ports.items()}
+        self.env["RAY_gcs_rpc_server_reconnect_timeout_s"] = "15"
         assert os.access(self.env["RAY_SERVE_HAPROXY_BINARY_PATH"], os.X_OK)    # installed by `pip install -e .`
         cfg = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())
         self.port = free_port()
         cfg["http_options"]["port"] = self.port
         self.config = tmp_path / "serve_config.cpu.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
-        self.tmp_path, self.url, self.proc, self.starts = tmp_path, f"http://127.0.0.1:{self.port}", None, 0
+        self.tmp_path, self.url, self.proc = tmp_path, f"http://127.0.0.1:{self.port}", None
+        self.start_s: list[float] = []          # how long each start took, to /healthz answering
 
     def start(self, timeout: float = 180) -> float:
         """Start `serve run` and wait for /healthz; the seconds it took."""
-        self.starts += 1
-        self.log_path = self.tmp_path / f"serve.{self.starts}.log"
+        self.log_path = self.tmp_path / f"serve.{len(self.start_s) + 1}.log"
         self.log = open(self.log_path, "wb")
         t0 = time.monotonic()
         self.proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(self.config)], cwd=ROOT,
@@ -120,20 +121,20 @@ class ReadmeService:
         while time.monotonic() - t0 < timeout and self.proc.poll() is None:
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=5).status_code == 200:
-                    return time.monotonic() - t0
+                    self.start_s.append(time.monotonic() - t0)
+                    return self.start_s[-1]
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise AssertionError(f"start {self.starts} did not answer: {self.log_path.read_text()[-3000:]}")
+        raise AssertionError(f"start {len(self.start_s) + 1} did not answer: {self.log_path.read_text()[-3000:]}")
 
     def members(self) -> list[int]:
         return session_members(self.proc.pid)
 
-    def wait_gone(self, timeout: float, outliving: tuple[str, ...] = ()) -> list[tuple[int, str]]:
-        """Wait until nothing of this run is left but processes named in `outliving` (known to outlive this way of
-        stopping); what was left, those included. Everything left is ended by its pid."""
+    def wait_gone(self, timeout: float) -> list[tuple[int, str]]:
+        """Wait until nothing of this run is left; what was left at the deadline, each ended by its pid."""
         deadline = time.monotonic() + timeout
-        while any(comm(p) not in outliving for p in self.members()) and time.monotonic() < deadline:
+        while self.members() and time.monotonic() < deadline:
             time.sleep(0.2)
         left = [(pid, comm(pid)) for pid in self.members()]
         for pid, _ in left:                            # what it started and left behind, by pid
@@ -151,15 +152,6 @@ class ReadmeService:
         """serve run's own clean shutdown, as Ctrl-C in its terminal (SIGINT to its process group)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
-
-
-@pytest.fixture
-def service(tmp_path):
-    svc = ReadmeService(tmp_path)
-    yield svc
-    if svc.proc is not None and svc.proc.poll() is None:
-        svc.stop()
-        svc.wait_gone(90)
 
 
 def check_answers(url: str) -> None:
@@ -236,31 +228,20 @@ def stop_serve_shutdown(svc: ReadmeService) -> None:
 
 
 def stop_ray(svc: ReadmeService) -> None:
-    """The Ray cluster stopped under Serve: SIGTERM to its raylet and GCS (what `ray stop` sends first)."""
-    for pid in svc.members():
-        if comm(pid) in ("raylet", "gcs_server"):
+    """The Ray cluster stopped under Serve as `ray stop` stops the raylet and then the GCS: SIGTERM, and SIGKILL
+    to what is left after a third of its 16 s grace period (Ray 2.60's raylet and GCS took 60 s to exit on
+    SIGTERM alone with Serve running). The processes `ray stop` ends between those two are left to go on their
+    own (the replicas, their engines, HAProxy): the test is that they do."""
+    for name in ("raylet", "gcs_server"):
+        pids = [pid for pid in svc.members() if comm(pid) == name]
+        for pid in pids:
             os.kill(pid, signal.SIGTERM)
-
-
-def test_readme_serve_command_starts_answers_and_every_stop_leaves_nothing(service):
-    """Start, answer, listen on loopback; then each way of stopping, each followed by a start on the same ports."""
-    took = {"start": service.start()}
-    check_answers(service.url)
-    check_listeners(service)
-    for name, stop in [("sigterm then sigkill", stop_sigterm_then_sigkill), ("sigterm", stop_sigterm),
-                       ("serve shutdown", stop_serve_shutdown), ("ray stopped", stop_ray),
-                       ("ctrl-c", ReadmeService.stop)]:
-        t0 = time.monotonic()
-        stop(service)
-        # Ray's dashboard and runtime-env agents outlive a raylet stopped under them (Ray 2.60); the test ends
-        # them by pid. Nothing of the service's or HAProxy's may be among them.
-        outliving = ("ray::DashboardA", "ray::RuntimeEnv") if name == "ray stopped" else ()
-        # a stop takes longer on a busy host, as the start did: the limit follows the first start's time
-        left = service.wait_gone(max(90.0, 2 * took["start"]), outliving)
-        took[name] = time.monotonic() - t0
-        left = [(pid, c) for pid, c in left if c not in outliving]
-        assert not left, f"left running after {name}: {left}"
-        if name != "ctrl-c":
-            took[f"start after {name}"] = service.start()
-            assert httpx.get(f"{service.url}/v1/models", timeout=30).status_code == 200
-    print({k: round(v, 1) for k, v in took.items()})
+        deadline = time.monotonic() + 16 / 3
+        while time.monotonic() < deadline and any(comm(pid) == name for pid in pids):
+            time.sleep(0.1)
+        for pid in pids:
+            if comm(pid) == name:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass

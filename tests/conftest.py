@@ -12,6 +12,10 @@ os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
 # the stop within a second, so each replaced or deleted Ingress would only sit out the window (a minute of every
 # service's teardown, half a minute per stop in the stop test). Inherited by every Ray process the tests start.
 os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
+# One torch thread in the test process and the processes it starts (unless a test or a config sets its own): the
+# models here are tiny, and on a 2-core machine with one core taken by other work, two threads made the in-process
+# model tests twice as slow (each parallel region waits for the thread that shares the busy core).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch

@@ -469,13 +469,13 @@ def affinity_app(base: Path) -> tuple[dict, dict]:
     router, on the module's checkpoints under `base` (pytest's base temporary directory). Every deployment
     drains for up to 60 s when replaced, as serve_config.yaml lets them (the redeploy test replaces them)."""
     chat_dir = next(base.glob("serve*/chat"))
+    # Serve's default drain of 20 s killed a replaced Ingress on a busy host while a decision waited for the new
+    # decision replica (the proxy's 500)
     small = {"ray_actor_options": {"num_cpus": 0.1}, "graceful_shutdown_timeout_s": 60}
     router = {"request_router_class": "deployments.routing:ConversationAffinityRouter"}
     options = {"ChatModel": dict(small, num_replicas=2, max_ongoing_requests=64, request_router_config=router),
                "DecisionModel": dict(small, max_ongoing_requests=16,
                                      user_config={"max_batch_size": 4, "batch_wait_timeout_s": 0.01}),
-               # Serve's default of 20 s killed a replaced Ingress on a busy host while a decision waited for the
-               # new decision replica (the proxy's 500)
                "Ingress": dict(small, max_ongoing_requests=256)}
     args = dict(chat_checkpoint=str(chat_dir), decision_checkpoint=str(chat_dir.parent / "decision"), device="cpu",
                 chat_max_rows=MAX_ROWS, max_body_bytes=200_000, max_message_chars=4000)

@@ -6,11 +6,13 @@
 The soak (bench/soak.py) saw the decision process grow by about 44 MB an hour after its prefix cache had
 reached its limit. This runs the demo decision checkpoint's scorer in this process, with no service around it,
 on the soak's decision bodies (half on 8 recurring long states, half fresh short ones) in batches of 1 to 16,
-and reads this process's resident memory every --sample requests. At the end it calls glibc's `malloc_trim(0)`
-and reads it again: memory that the trim gives back was free inside the allocator (freed by the scorer but kept
-by malloc's arenas), memory that stays is held by something. --trim-every N trims after every N requests
-instead, to see whether the growth is there at all when freed memory goes back. Set MALLOC_ARENA_MAX or
-MALLOC_MMAP_THRESHOLD_ in the environment to try the allocator's settings.
+and reads this process's resident memory every --sample requests, with glibc's own account of its heap
+(`mallinfo2`: bytes in use by live allocations, free inside the heap, mmapped) and the prefix cache's entries
+and key bytes. At the end it calls glibc's `malloc_trim(0)` and reads it again: memory that the trim gives
+back was free inside the allocator (freed by the scorer but kept by malloc's arenas), memory that stays is
+held by something. --trim-every N trims after every N requests instead, as the service's decision process
+does every 30 s. Set MALLOC_ARENA_MAX or MALLOC_MMAP_THRESHOLD_ in the environment to try the allocator's
+settings.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 
 from bench.soak import decision_body, read_int, slope
@@ -46,7 +49,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     scorer = StartLuxDecision(CHECKPOINT, DecisionConfig(prefix_cache_mb=args.cache_mb, max_batch_tokens=4096))
     rng, memory = random.Random(args.seed), MemoryReturn(0)
-    samples, full_at, done, t0 = [(0, rss_mb())], None, 0, time.monotonic()
+    samples, heaps, full_at, done, t0 = [(0, rss_mb())], [], None, 0, time.monotonic()
     while done < args.requests:
         n = min(rng.randint(1, 16), args.requests - done)
         batch = [(b["state"], b["questions"]) for b in (decision_body(rng) for _ in range(n))]
@@ -59,8 +62,15 @@ def main() -> None:
             if full_at is None and stats["bytes"] > 0.9 * stats["capacity_bytes"]:
                 full_at = done
             samples.append((done, rss_mb()))
+            heap = memory.heap() or {}
+            keys = sum(sys.getsizeof(k) + sum(sys.getsizeof(i) for i in k if i > 256)
+                       for k in list(scorer.prefix_cache._entries))
+            heaps.append({"requests": done, "rss_mb": samples[-1][1], "key_mb": keys / 2**20, **stats,
+                          **{k: v / 2**20 for k, v in heap.items()}})
             print(f"{done:>7} requests  rss {samples[-1][1]:7.1f} MB  cache {stats['bytes'] / 2**20:6.1f} MB "
-                  f"{stats['entries']:>5} entries  {time.monotonic() - t0:6.0f} s", flush=True)
+                  f"{stats['entries']:>5} entries  keys {keys / 2**20:5.1f} MB  "
+                  + "  ".join(f"{k} {v / 2**20:7.1f}" for k, v in heap.items())
+                  + f"  {time.monotonic() - t0:6.0f} s", flush=True)
     after_full = [s for s in samples if full_at is not None and s[0] >= full_at]
     end = rss_mb()
     memory.trim()
@@ -69,8 +79,8 @@ def main() -> None:
               "env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
               "cache_full_at": full_at, "rss_when_full_mb": after_full[0][1] if after_full else None,
               "rss_end_mb": end, "rss_after_trim_mb": trimmed,
-              "mb_per_1000_after_full": 1000 * slope(after_full), "samples": samples}
-    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
+              "mb_per_1000_after_full": 1000 * slope(after_full), "samples": samples, "heaps": heaps}
+    print(json.dumps({k: v for k, v in result.items() if k not in ("samples", "heaps")}, indent=1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

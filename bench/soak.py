@@ -175,7 +175,8 @@ def sample(url: str, sid: int, t: float) -> dict:
                 "chat prefix-cache tokens": chat["prefix_cache"]["cached_tokens"],
                 "decision prefix-cache MB": decision["prefix_cache"]["bytes"] / 2 ** 20,
                 "decision prefix-cache entries": decision["prefix_cache"]["entries"],
-                "decision memory returns": decision["memory_returns"],
+                "decision memory returns": decision["memory"].get("returns", 0),
+                "decision heap in use MB": decision["memory"].get("in_use", 0),
                 "ingress in flight": ingress["chat_in_flight"], "ingress waiting": ingress["chat_waiting"]}
     return {"t": t, "groups": dict(groups), "counters": counters}
 

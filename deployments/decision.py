@@ -120,7 +120,7 @@ class DecisionModel:
         return {"batches": sum(self.batch_sizes.values()), "largest_batch": max(self.batch_sizes, default=0),
                 "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
                 "scorer": type(self.scorer).__name__, "prefix_cache": self.scorer.prefix_stats(),
-                "memory_returns": self.scorer.memory_returns}
+                "memory": self.scorer.memory}
 
     def check_health(self) -> None:
         if not self.scorer.alive():

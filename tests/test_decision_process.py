@@ -140,13 +140,19 @@ def test_memory_return_gives_freed_heap_pages_back():
     blocks = [libc.malloc(64 * 1024) for _ in range(4000)]      # 250 MB below the mmap threshold: on the heap
     for b in blocks:
         ctypes.memset(b, 1, 64 * 1024)
+    memory = MemoryReturn(interval_s=3600)
+    held = memory.heap()
     for b in blocks[:-1]:                                       # the last one pins the heap's top
         libc.free(b)
-    memory = MemoryReturn(interval_s=3600)
+    freed = memory.heap()                                       # glibc's account sees the blocks go to its free lists
+    for taken, given in ((held["in_use"], freed["in_use"]), (freed["free"], held["free"])):
+        assert 3999 * 64 * 1024 <= taken - given < 3999 * 64 * 1024 + 2 ** 20, (held, freed)
     memory.last -= 3600
     before = read_int("/proc/self/status", "VmRSS:")
     assert memory.maybe() and not memory.maybe()                # once, then not until the interval has passed
     after = read_int("/proc/self/status", "VmRSS:")
+    report = memory.report()                                    # the heap as the trim left it, in MB
+    assert report["returns"] == 1 and abs(report["in_use"] - freed["in_use"] / 2 ** 20) < 1, (report, freed)
     libc.free(blocks[-1])
     assert before - after > 200 * 1024, (before, after)
 
@@ -157,7 +163,8 @@ def test_the_child_returns_memory_between_batches(ckpt):
         for _ in range(3):        # each Done counts the returns before it: the one after the 2nd shows in the 3rd
             asyncio.run(scorer.decide_batch(REQUESTS[:1]))
             asyncio.run(asyncio.sleep(0.1))
-        assert 1 <= scorer.memory_returns <= 2                  # after a batch, once its interval has passed
+        assert 1 <= scorer.memory["returns"] <= 2                  # after a batch, once its interval has passed
+        assert scorer.memory["in_use"] > 1 and scorer.memory["free"] >= 0   # the child's heap after its trim, MB
     finally:
         scorer.shutdown()
 

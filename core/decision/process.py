@@ -61,7 +61,7 @@ class Done(msgspec.Struct, frozen=True):
     call: int
     results: list              # per request: (answers, usage) or its DecisionValidationError
     prefix_stats: dict
-    memory_returns: int = 0    # free memory handed back to the system so far (child.MemoryReturn)
+    memory: dict = {}          # the memory returns so far and the heap the last left (child.MemoryReturn.report)
 
 
 class Crashed(msgspec.Struct, frozen=True):
@@ -107,7 +107,7 @@ class ThreadScorer:
     def __init__(self, start: Start):
         self.scorer = build_scorer(start)
         self.info = scorer_info(self.scorer)
-        self.memory_returns = 0    # the caller's process: its memory is the caller's business
+        self.memory: dict = {}     # the caller's process: its memory is the caller's business
 
     async def decide_batch(self, requests: list) -> list:
         return await asyncio.to_thread(run_batch, self.scorer, requests)
@@ -132,7 +132,7 @@ class ProcessScorer:
         self.child = Child("core.decision.process", "the decision process", start, Ready, start_timeout_s)
         self.proc = self.child.proc
         self.info, self._prefix_stats = self.child.ready.info, self.child.ready.prefix_stats
-        self.memory_returns = 0
+        self.memory: dict = {}
         self._reader = threading.Thread(target=self._read, name="decision-reader", daemon=True)
         self._reader.start()
 
@@ -157,8 +157,8 @@ class ProcessScorer:
         try:
             for msg in self.child.records(logger):
                 match msg:
-                    case Done(call, results, stats, returns):
-                        self._prefix_stats, self.memory_returns = stats, returns
+                    case Done(call, results, stats, memory):
+                        self._prefix_stats, self.memory = stats, memory
                         self._resolve(call, results=results)
                     case Crashed(call, message):
                         self._resolve(call, error=RuntimeError(f"the decision model failed:\n{message}"))
@@ -220,7 +220,7 @@ def serve_scorer(conn: Connection) -> None:
                     logger.exception("decision batch failed")
                     conn.send(Crashed(call, traceback.format_exc(limit=5)))
                     continue
-                conn.send(Done(call, results, scorer.prefix_cache.stats(), memory.trims))
+                conn.send(Done(call, results, scorer.prefix_cache.stats(), memory.report()))
                 if not conn.poll():        # between batches, with none waiting
                     memory.maybe()
             case Stop():

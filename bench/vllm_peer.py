@@ -219,7 +219,7 @@ def ours_offline(checkpoint: Path, ids: list[list[int]], max_tokens: int, thread
     import torch
 
     from core.chat import LLMEngine, SamplingParams
-    from core.chat.checkpoint import load_chat_model
+    from core.chat.weights import load_chat_model
 
     torch.set_num_threads(threads)
     model, tok, _ = load_chat_model(str(checkpoint), "cpu")

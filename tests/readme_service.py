@@ -197,6 +197,20 @@ def check_listeners(svc: ReadmeService) -> None:
     assert [name for _, name, _, port in sockets if port == svc.port] == ["haproxy"]
 
 
+def check_torch_only_in_children(svc: ReadmeService) -> None:
+    """torch is mapped by the two model processes (the chat engine's and the decision scorer's) and by no
+    replica: the replicas hand every model call to their child."""
+    def maps_torch(pid):
+        try:
+            return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            return False
+    with_torch = sorted(comm(pid) for pid in svc.members() if maps_torch(pid))
+    replicas = [pid for pid in svc.members() if comm(pid).startswith("ray::ServeRepli")]
+    assert len(replicas) == 3 and not any(maps_torch(pid) for pid in replicas), with_torch
+    assert len(with_torch) == 2, with_torch
+
+
 def stop_sigterm_then_sigkill(svc: ReadmeService) -> None:
     """A supervisor with a short stop timeout: SIGTERM to the process group, SIGKILL 3 s later."""
     os.killpg(svc.proc.pid, signal.SIGTERM)

@@ -199,6 +199,11 @@ def streaming_replicas(url, tries=30):
     return busy
 
 
+# Long enough that the streams are still running when the node dies (it dies a few seconds after they start;
+# they end tens of seconds after it, as the test prints), short enough that running them twice costs little
+STREAM_TOKENS = 2000
+
+
 def test_node_loss_under_load(cluster):
     c, url, workers, deadlines = cluster
     for deployment in ("ChatModel", "DecisionModel"):
@@ -209,16 +214,18 @@ def test_node_loss_under_load(cluster):
     async def scenario():
         stop, results = asyncio.Event(), []
         load = asyncio.create_task(decision_load(url, stop, results))
-        streams = []
+        streams, ends, started_at = [], [], time.monotonic()
         for i in range(6):       # one at a time, so the router's view of the replicas' load spreads them
-            streams.append(asyncio.create_task(chat_stream(url, 4000, i, texts, pauses, progress)))
+            streams.append(asyncio.create_task(chat_stream(url, STREAM_TOKENS, i, texts, pauses, progress)))
             await asyncio.sleep(0.3)
         busy = await asyncio.to_thread(streaming_replicas, url)
         while len(busy) < 2 and len(streams) < 10:    # the router may still have put them all on one
-            streams.append(asyncio.create_task(chat_stream(url, 4000, len(streams), texts, pauses, progress)))
+            streams.append(asyncio.create_task(chat_stream(url, STREAM_TOKENS, len(streams), texts, pauses, progress)))
             await asyncio.sleep(0.3)
             busy |= await asyncio.to_thread(streaming_replicas, url, 10)
         assert len(busy) == 2, f"streams must run on both chat replicas, saw {busy}"
+        for task in streams:
+            task.add_done_callback(lambda _: ends.append(time.monotonic()))
         before = node_ids(c)
         killed_at = time.monotonic()
         c.kill(workers[1])                    # the node dies: SIGKILL to all of its processes
@@ -234,15 +241,17 @@ def test_node_loss_under_load(cluster):
         await asyncio.wait_for(load, 180)
         continued = (await asyncio.to_thread(httpx.get, f"{url}/debug/stats", timeout=30)).json()
         # the same streams again, nothing killed: what each should have been
-        await asyncio.gather(*(chat_stream(url, 4000, i, undisturbed) for i in range(len(streams))))
-        return recovered_at - killed_at, outcomes, results, continued["ingress"]["chat_streams_continued"]
+        await asyncio.gather(*(chat_stream(url, STREAM_TOKENS, i, undisturbed) for i in range(len(streams))))
+        times = (recovered_at - killed_at, killed_at - started_at, min(ends) - killed_at, max(ends) - killed_at)
+        return times, outcomes, results, continued["ingress"]["chat_streams_continued"]
 
-    recovery, outcomes, results, continued = asyncio.run(scenario())
+    (recovery, killed_after, first_end, last_end), outcomes, results, continued = asyncio.run(scenario())
     assert results and all(code == 200 for code in results), f"decisions lost: {set(results)}"
     assert {o for o, _ in outcomes} == {"done"}, outcomes              # no stream broken
     assert continued >= 1, "no stream was on the lost node: the test proved nothing"
     assert texts == undisturbed, "a continued stream differs from the undisturbed run"
-    print(f"\nrecovery: node killed -> both deployments at 2 replicas again in {recovery:.1f} s; "
+    print(f"\nrecovery: streams started, the node killed {killed_after:.1f} s later; both deployments at 2 replicas "
+          f"again {recovery:.1f} s after the kill; the streams ended {first_end:.1f} to {last_end:.1f} s after it; "
           f"{len(results)} decision requests during the test, all answered; {continued} streams continued on "
           f"another replica, all equal to an undisturbed run; longest pause in a stream {max(pauses.values()):.1f} s")
     assert all(asyncio.run(chat_stream(url, 20, 100 + i))[0] == "done" for i in range(4))   # new streams, both replicas

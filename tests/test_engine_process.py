@@ -367,3 +367,13 @@ def test_cuda_process_engine_matches_thread_engine(checkpoint):
             [[out[-1][2] for out in r.values()] for r in reference]
     finally:
         pe.shutdown()
+
+
+def test_the_serving_replicas_import_no_torch():
+    """Both models run in child processes: the replicas' own code (deployments.app and what it imports) loads no
+    torch and no transformers, so a replica starts in a second, not three, and holds no copy of them."""
+    out = subprocess.run([sys.executable, "-c", "import sys, deployments.app; "
+                          "print([m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules])"],
+                         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -19,8 +19,8 @@ import yaml
 
 from bench.soak import MIX, soak
 from tests.test_serve import free_port
-from tests.readme_service import (ReadmeService, check_answers, check_listeners, stop_ray, stop_serve_shutdown,
-                                  stop_sigterm, stop_sigterm_then_sigkill)
+from tests.readme_service import (ReadmeService, check_answers, check_listeners, check_torch_only_in_children,
+                                  stop_ray, stop_serve_shutdown, stop_sigterm, stop_sigterm_then_sigkill)
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "cluster" / "grafana" / "startlux-serve.json"
@@ -233,6 +233,7 @@ def test_readme_serve_command_answers_and_every_stop_leaves_nothing(service):
     took = {"first start": service.start_s[0]}
     check_answers(service.url)
     check_listeners(service)
+    check_torch_only_in_children(service)
     for name, stop in [("sigterm then sigkill", stop_sigterm_then_sigkill), ("sigterm", stop_sigterm),
                        ("serve shutdown", stop_serve_shutdown), ("ray stopped", stop_ray),
                        ("ctrl-c", ReadmeService.stop)]:

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from core.chat import ChatPrompter, LLMEngine, SamplingParams
-from core.chat.checkpoint import load_chat_model
+from core.chat.weights import load_chat_model
 from core.chat.grammars import GrammarError, ToolCallReader, json_grammar, response_format_grammar, tool_plan
 from core.chat.protocol import SamplingError
 from tests.conftest import tiny_model

@@ -6,8 +6,8 @@ does not import torch: the Ingress process imports the protocol and never runs a
 import importlib
 
 _WHERE = {
-    "load_chat_defaults": "checkpoint", "load_chat_model": "checkpoint", "load_chat_tokenizer": "checkpoint",
-    "save_chat_model": "checkpoint",
+    "load_chat_defaults": "checkpoint", "load_chat_tokenizer": "checkpoint",
+    "load_chat_model": "weights", "save_chat_model": "weights",
     "ChatDefaults": "config", "ChatModelConfig": "config", "CheckpointError": "config",
     "LLMEngine": "engine",
     "build_model": "model", "ChatNetwork": "model",

@@ -18,10 +18,12 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
-from .engine import LLMEngine
 from .protocol import EngineError, EngineStats, SamplingParams, TokenEvent
+
+if TYPE_CHECKING:          # the engine's own process imports it; a replica that only talks to it needs no torch
+    from .engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

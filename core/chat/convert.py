@@ -20,7 +20,7 @@ import re
 import torch
 import tiktoken
 
-from .checkpoint import save_chat_model
+from .weights import save_chat_model
 from .config import ChatModelConfig, CheckpointError, read_json
 from .model import build_model
 from .tokenizer import DEFAULT_PATTERN, ChatTokenizer, read_ranks

@@ -38,8 +38,8 @@ def build_engine(start: Start):
     """The engine `start` describes, built in the calling process (torch threads set, weights loaded)."""
     import torch
 
-    from .checkpoint import load_chat_model
     from .engine import LLMEngine
+    from .weights import load_chat_model
 
     if start.config.torch_threads:
         torch.set_num_threads(start.config.torch_threads)

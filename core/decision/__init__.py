@@ -10,7 +10,7 @@ _WHERE = {
     "FormatError": "jevfmt", "MAX_OPTIONS": "jevfmt", "QuestionTooLong": "jevfmt", "check_tokenizer": "jevfmt",
     "from_systemone": "jevfmt", "render_ids": "jevfmt",
     "linear_attention_kernels": "kernels",
-    "DecisionValidationError": "scorer", "SlowKernelsError": "scorer", "StartLuxDecision": "scorer",
+    "DecisionValidationError": "types", "SlowKernelsError": "scorer", "StartLuxDecision": "scorer",
     "padded_length": "scorer",
 }
 __all__ = sorted(_WHERE) + ["jevfmt"]

@@ -31,7 +31,7 @@ from .graphs import PromptGraphs
 from .kernels import linear_attention_kernels
 from .passes import PassCost, plan
 from .prefix_cache import PrefixCache, PrefixState, batch_cache
-from .types import ChoiceAnswer, InputTokensDetails, NoulAnswer, ScoreAnswer, Usage
+from .types import ChoiceAnswer, DecisionValidationError, InputTokensDetails, NoulAnswer, ScoreAnswer, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +43,6 @@ def choice_answer(dist: dict[str, float]) -> dict:
     """A choice question's answer from its distribution over option ids: the most probable one and its mass."""
     best = max(dist, key=dist.get)
     return ChoiceAnswer(choice=best, confidence=dist[best], probabilities=dist).model_dump()
-
-
-class DecisionValidationError(ValueError):
-    """A request with bad questions; `errors` maps every bad question key (or "state"/"questions") to why."""
-
-    def __init__(self, errors: dict[str, str]):
-        self.errors = dict(errors)
-        super().__init__("; ".join(f"{k}: {v}" for k, v in self.errors.items()))
-
-    def __reduce__(self):          # rebuilt from its errors (it crosses from the decision process)
-        return (DecisionValidationError, (self.errors,))
 
 
 class SlowKernelsError(RuntimeError):

@@ -67,3 +67,14 @@ class DecisionResponse(BaseModel):
     model: str                        # the id the service serves (an alias in the request is answered with it)
     answers: dict[str, Answer]
     usage: Usage
+
+
+class DecisionValidationError(ValueError):
+    """A request with bad questions; `errors` maps every bad question key (or "state"/"questions") to why."""
+
+    def __init__(self, errors: dict[str, str]):
+        self.errors = dict(errors)
+        super().__init__("; ".join(f"{k}: {v}" for k, v in self.errors.items()))
+
+    def __reduce__(self):          # rebuilt from its errors (it crosses from the decision process)
+        return (DecisionValidationError, (self.errors,))

@@ -101,6 +101,9 @@ class ReadmeService:
         # before they exit; the stop test stops the cluster under them once, and 15 s of that are enough here
         self.env = env | {k: str(v) for k, v in self.side_ports.items()}
         self.env["RAY_gcs_rpc_server_reconnect_timeout_s"] = "15"
+        # for a stop that leaves serve run behind: its log is written as it goes, and SIGABRT (wait_gone) makes
+        # it print where each of its threads is
+        self.env |= {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
         assert os.access(self.env["RAY_SERVE_HAPROXY_BINARY_PATH"], os.X_OK)    # installed by `pip install -e .`
         cfg = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())
         self.port = free_port()
@@ -137,6 +140,15 @@ class ReadmeService:
         while self.members() and time.monotonic() < deadline:
             time.sleep(0.2)
         left = [(pid, comm(pid)) for pid in self.members()]
+        self.stuck = ""                                # for the failure's message: the end of serve run's log
+        if left:
+            if self.proc.poll() is None:               # serve run itself did not end: where is it?
+                self.proc.send_signal(signal.SIGABRT)
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            self.stuck = self.log_path.read_text(errors="replace")[-6000:]
         for pid, _ in left:                            # what it started and left behind, by pid
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -242,7 +242,7 @@ def test_readme_serve_command_answers_and_every_stop_leaves_nothing(service):
         # a stop takes longer on a busy host, as the start did: the limit follows the first start's time
         left = service.wait_gone(max(90.0, 2 * service.start_s[0]))
         took[name] = time.monotonic() - t0
-        assert not left, f"left running after {name}: {left}"
+        assert not left, f"left running after {name}: {left}; serve run's log ends:\n{service.stuck}"
         if name != "ctrl-c":
             took[f"start after {name}"] = service.start()
             assert httpx.get(f"{service.url}/v1/models", timeout=30).status_code == 200

@@ -239,8 +239,9 @@ def test_readme_serve_command_answers_and_every_stop_leaves_nothing(service):
                        ("ctrl-c", ReadmeService.stop)]:
         t0 = time.monotonic()
         stop(service)
-        # a stop takes longer on a busy host, as the start did: the limit follows the first start's time
-        left = service.wait_gone(max(90.0, 2 * service.start_s[0]))
+        # a stop takes seconds (the took dict printed below); two minutes is a stop that does not end, and
+        # wait_gone then has serve run print its threads' stacks into the message
+        left = service.wait_gone(120.0)
         took[name] = time.monotonic() - t0
         assert not left, f"left running after {name}: {left}; serve run's log ends:\n{service.stuck}"
         if name != "ctrl-c":

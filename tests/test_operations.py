@@ -247,4 +247,4 @@ def test_readme_serve_command_answers_and_every_stop_leaves_nothing(service):
         if name != "ctrl-c":
             took[f"start after {name}"] = service.start()
             assert httpx.get(f"{service.url}/v1/models", timeout=30).status_code == 200
-    print({k: round(v, 1) for k, v in took.items()})
+    print({k: round(v, 1) for k, v in took.items()}, "serve run ignored Ctrl-C:", service.ignored_sigint or "never")

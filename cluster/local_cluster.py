@@ -195,16 +195,15 @@ class LocalCluster:
         still there: stopped together, every node waited half a minute for it; one after another, a worker
         goes in about a second, and the head takes over half a minute on SIGTERM alone (its GCS and dashboard
         linger), so the grace period is what ends it."""
-        workers = [n for n in self.nodes if n.name != "head"]
-        for group in (workers, [n for n in self.nodes if n.name == "head"]):
+        head = [n for n in self.nodes if n.name == "head"]
+        for group in ([n for n in self.nodes if n not in head], head):
             for node in group:
                 self.kill(node, signal.SIGTERM)
             deadline = time.monotonic() + grace_s
-            while any(n in self.alive_nodes() for n in group) and time.monotonic() < deadline:
+            while (alive := [n for n in self.alive_nodes() if n in group]) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            for node in group:
-                if node in self.alive_nodes():
-                    self.kill(node, signal.SIGKILL)
+            for node in alive:
+                self.kill(node, signal.SIGKILL)
         self.nodes = []
 
     def save(self, path: Path = STATE) -> None:

@@ -218,9 +218,10 @@ def check_torch_only_in_children(svc: ReadmeService) -> None:
             return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
         except OSError:
             return False
-    with_torch = sorted(comm(pid) for pid in svc.members() if maps_torch(pid))
-    replicas = [pid for pid in svc.members() if comm(pid).startswith("ray::ServeRepli")]
-    assert len(replicas) == 3 and not any(maps_torch(pid) for pid in replicas), with_torch
+    members = svc.members()
+    with_torch = {pid: comm(pid) for pid in members if maps_torch(pid)}
+    replicas = [pid for pid in members if comm(pid).startswith("ray::ServeRepli")]
+    assert len(replicas) == 3 and not with_torch.keys() & set(replicas), with_torch
     assert len(with_torch) == 2, with_torch
 
 

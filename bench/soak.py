@@ -1,11 +1,16 @@
 """Soak: an hour of mixed traffic at a fraction of saturation, and whether anything grows that should not.
 
     python -m bench.soak [--minutes 60] [--sample-s 60] [--load 0.6] [--calibrate-s 40] [--rate OPS]
-                         [--warmup 0.25] [--trace-s 0] [--json out.json]
+                         [--warmup 0.25] [--warm-decisions 0] [--trace-s 0] [--json out.json]
 
 Starts serve_config.cpu.yaml's service on the demo models as the README does (HAProxy through the launcher, in
 a session of its own, stopped by its group id), then:
 
+0. With --warm-decisions N: N decisions of the mix's kind, sent by 16 closed-loop clients as fast as they are
+   answered. The decision process's memory settles only after about 20,000 decisions (its 256 MB prefix cache
+   fills after ~4,000, the tokenizer's word cache after ~10,000 fresh states, the allocator's pool of block sizes
+   by ~20,000: bench/README.md), which the mix at 60% load reaches only after about 100 minutes; this phase
+   gets there first, so that an hour of samples shows the settled service.
 1. Calibration (unless --rate): closed-loop clients send the mix below as fast as it is answered for
    --calibrate-s; the operations per second they complete is saturation.
 2. The soak: operations arrive at random (Poisson) at --load x saturation for --minutes, each a fresh
@@ -144,6 +149,20 @@ async def calibrate(url: str, seconds: float, clients: int = 40) -> float:
     return sum(out.sent.values()) / (time.monotonic() - t0)
 
 
+async def warm_decisions(url: str, n: int, clients: int = 16) -> Outcomes:
+    """`n` decisions like the mix's, sent by `clients` closed-loop clients as fast as they are answered."""
+    out, left = Outcomes(), iter(range(n))
+
+    async def loop(i):
+        rng = random.Random(1000 + i)
+        async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+            for _ in left:
+                await one(client, "decision", rng, out)
+
+    await asyncio.gather(*(loop(i) for i in range(clients)))
+    return out
+
+
 def read_int(path: str, key: str) -> int:
     for line in Path(path).read_text().splitlines():
         if line.startswith(key):
@@ -279,11 +298,16 @@ class Trace(threading.Thread):
 
 
 def soak(url: str, sid: int, minutes: float, sample_s: float, rate: float | None = None, load: float = 0.6,
-         calibrate_s: float = 40, warmup: float = 0.25, trace_s: float = 0) -> dict:
+         calibrate_s: float = 40, warmup: float = 0.25, trace_s: float = 0, warm: int = 0) -> dict:
     """The soak against the running service at `url` whose processes are session `sid`; `rate` None: `load` x
     the saturation a calibration measures. `trace_s`: also read the admission, streams and decision batches
-    that often, and report them around each error."""
-    saturation = None
+    that often, and report them around each error. `warm`: that many decisions first (step 0 above)."""
+    saturation, warmed, t_warm = None, None, time.monotonic()
+    if warm:
+        warmed = asyncio.run(warm_decisions(url, warm))
+        warmed = {"sent": warmed.sent["decision"], "ok": warmed.ok["decision"],
+                  "errors": {f"{k} / {w}": n for (k, w), n in warmed.errors.items()},
+                  "seconds": round(time.monotonic() - t_warm, 1)}
     if rate is None:
         saturation = asyncio.run(calibrate(url, calibrate_s))
         rate = load * saturation
@@ -306,7 +330,7 @@ def soak(url: str, sid: int, minutes: float, sample_s: float, rate: float | None
     end_procs, after = processes(sid), sample(url, sid, 0.0)
     return {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "minutes": minutes, "rate_per_s": rate, "saturation_per_s": saturation,
-            "load": load if saturation else None, "sent": dict(out.sent), "ok": dict(out.ok),
+            "load": load if saturation else None, "warm_decisions": warmed, "sent": dict(out.sent), "ok": dict(out.ok),
             "errors": {f"{k} / {w}": n for (k, w), n in out.errors.items()}, "error_times": out.error_times,
             "idle_after": idle, "idle_groups": {"before": before["groups"], "after": after["groups"]},
             "summary": summary(samples, warmup), "samples": samples,
@@ -325,6 +349,8 @@ def main() -> None:
     p.add_argument("--calibrate-s", type=float, default=40)
     p.add_argument("--rate", type=float, help="operations per second (skips the calibration)")
     p.add_argument("--warmup", type=float, default=0.25, help="share of the samples left out of the slopes")
+    p.add_argument("--warm-decisions", type=int, default=0,
+                   help="send this many decisions as fast as they are answered before the calibration and the soak")
     p.add_argument("--trace-s", type=float, default=0,
                    help="read the admission, streams and decision batches this often; shown around each error")
     p.add_argument("--json")
@@ -333,11 +359,13 @@ def main() -> None:
     try:
         server.wait_ready()
         r = soak(server.url, server.proc.pid, args.minutes, args.sample_s, args.rate, args.load, args.calibrate_s,
-                 args.warmup, args.trace_s)
+                 args.warmup, args.trace_s, args.warm_decisions)
     finally:
         server.stop()
     sat = f" ({r['saturation_per_s']:.1f}/s saturation x {r['load']:g})" if r["saturation_per_s"] else ""
     print(f"{r['date']}, {r['machine']}: {r['minutes']:g} min at {r['rate_per_s']:.1f} operations/s{sat}")
+    if r["warm_decisions"]:
+        print(f"warm-up: {r['warm_decisions']}")
     print(f"sent {sum(r['sent'].values())} ({r['sent']}), answered as they should {sum(r['ok'].values())}")
     when = f" at {r['error_times'][:20]}" if r["errors"] else ""
     print(f"errors: {r['errors'] or 'none'}{when}; processes {r['process_count'][0]} -> {r['process_count'][1]}, "

@@ -171,7 +171,8 @@ def test_two_minutes_of_mixed_load_lose_and_leak_nothing(live):
     running, no process gone or added, no descriptors piling up. Timing is not asserted (the hour-long run and
     its slopes are bench/README.md's)."""
     svc, _ = live
-    r = soak(svc.url, svc.proc.pid, minutes=2, sample_s=20, rate=3.0)
+    r = soak(svc.url, svc.proc.pid, minutes=2, sample_s=20, rate=3.0, warm=32)
+    assert r["warm_decisions"]["ok"] == r["warm_decisions"]["sent"] == 32, r["warm_decisions"]
     assert sum(r["sent"].values()) > 100 and set(r["sent"]) == set(MIX), r["sent"]
     assert r["errors"] == {}, r["errors"]
     assert r["ok"] == r["sent"]                 # every operation answered as it should (bad ones with their status)

@@ -97,18 +97,22 @@ class Child:
             logger.error("lost the connection to %s %d", self.what, self.pid)
 
     def stop(self, stop_record, timeout_s: float = 10.0) -> None:
-        """Ask the child to stop, then make sure: killed by its pid if it has not exited in time."""
+        """Ask the child to stop, then make sure: killed by its pid if it has not exited in time, or at once when
+        it cannot be asked (the connection is closed: lost, or ended on a record this process could not read)."""
         self.stopping = True
+        asked = False
         with self.lock:
             if not self.closed:
                 try:
                     self.conn.send(stop_record)
+                    asked = True
                 except OSError:
                     pass
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
+        if asked:
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
         self.kill()
 
     def kill(self) -> None:

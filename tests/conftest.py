@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 # The request path production runs (docs/configuration.md): set before anything imports Ray, whose Serve constants are read
 # once at import, so the in-process Serve of the tests and every Ray worker it starts agree.
@@ -80,7 +81,42 @@ def chat_checkpoint(tmp_path_factory, tokenizer, nanochat_model):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def serve_url():
+    """One in-process Ray instance and Serve, on a free loopback port, for the modules that run applications on it
+    (test_serve.py, test_web.py): each module runs its applications and deletes them when it is done. Started once
+    for the session (a start and a shutdown take half a minute on a busy 2-core host); the tests that use it run
+    last (pytest_collection_modifyitems), so it is stopped right after them."""
+    import ray
+    from ray import serve
+
+    from cluster.local_cluster import free_port
+
+    port = free_port()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def delete_apps(*names: str, timeout: float = 120) -> None:
+    """Delete Serve applications together and wait until they are gone: each delete drains its replicas and stops
+    their model processes (seconds each), so one after another they add up."""
+    from ray import serve
+
+    for name in names:
+        serve.delete(name, _blocking=False)
+    deadline = time.monotonic() + timeout
+    while (left := set(names) & set(serve.status().applications)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"applications not deleted within {timeout:.0f} s: {sorted(left)}"
+
+
 def pytest_collection_modifyitems(config, items):
+    # the tests on the shared in-process Serve (serve_url) run last, in their order, so that its Ray instance,
+    # torn down at the end of the session, never idles beside the other tests
+    items.sort(key=lambda item: "serve_url" in getattr(item, "fixturenames", ()))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.test_serve import free_port
+from cluster.local_cluster import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

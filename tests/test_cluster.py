@@ -63,7 +63,7 @@ def cluster(tmp_path_factory, tokenizer):
               f"after {deadlines.app_start_s:.1f} s")
         yield c, url, workers, deadlines
     finally:
-        c.stop()
+        c.stop(grace_s=5)       # nothing of this cluster is kept: the head, which lingers on SIGTERM, gets 5 s
     assert not c.alive_nodes()
 
 
@@ -296,8 +296,12 @@ def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_fact
     for d in cfg["applications"][0]["deployments"]:
         if d["name"] in ("ChatModel", "DecisionModel"):
             d.pop("num_replicas", None)
+            # the handles report their requests every second (Serve's default is 10 s, which alone made each
+            # decision wait up to 10 s); Ray 2.60 reads that interval from `metrics_interval_s`, deprecated in favour
+            # of RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S, which it does not read yet
             d["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
-                                       "upscale_delay_s": 1, "downscale_delay_s": 10, "look_back_period_s": 2}
+                                       "upscale_delay_s": 1, "downscale_delay_s": 10, "look_back_period_s": 2,
+                                       "metrics_interval_s": 1}
             d["graceful_shutdown_timeout_s"] = 120
         if d["name"] == "DecisionModel":
             # a batch waits half a second to fill: each request spends that long on the replica, so the clients'

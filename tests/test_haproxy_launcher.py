@@ -4,7 +4,7 @@ import subprocess
 import time
 
 from deployments.haproxy import _alive, _cmdline, end, real_binary, rewrite_listeners, stale_haproxies
-from tests.test_serve import free_port
+from cluster.local_cluster import free_port
 
 CONFIG = """global
     stats timeout 30s

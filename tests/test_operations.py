@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from bench.soak import MIX, soak
-from tests.test_serve import free_port
+from cluster.local_cluster import free_port
 from tests.readme_service import (ReadmeService, check_answers, check_listeners, check_torch_only_in_children,
                                   stop_ray, stop_serve_shutdown, stop_sigterm, stop_sigterm_then_sigkill)
 

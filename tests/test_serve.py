@@ -3,7 +3,6 @@ import asyncio
 import os
 import math
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +15,7 @@ import torch
 
 from core.chat import load_chat_model, load_chat_tokenizer, save_chat_model
 from core.chat.async_engine import STATS_PERIOD_S
-from tests.conftest import tiny_model
+from tests.conftest import delete_apps, tiny_model
 from tests.decision_fixtures import build_checkpoint
 from tests.systemone_requests import REQUESTS, check_answers
 
@@ -26,15 +25,8 @@ MAX_ROWS = 8
 CHECKPOINTS: dict[str, str] = {}        # the service fixture's checkpoints, for references
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def service(tmp_path_factory, tokenizer):
-    import ray
+def service(serve_url, tmp_path_factory, tokenizer):
     from ray import serve
 
     from deployments.app import AppArgs, wire
@@ -46,9 +38,6 @@ def service(tmp_path_factory, tokenizer):
     save_chat_model(str(root / "chat"), model, tokenizer)
     CHECKPOINTS["chat"] = str(root / "chat")
     build_checkpoint(str(root / "decision"))
-    port = free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     small = {"ray_actor_options": {"num_cpus": 0.1}}
     options = {"ChatModel": dict(small, max_ongoing_requests=64, max_queued_requests=64),
                "DecisionModel": dict(small, max_ongoing_requests=16, max_queued_requests=64,
@@ -62,9 +51,8 @@ def service(tmp_path_factory, tokenizer):
     keyed = dict(args, api_keys=["sekrit"], chat_max_rows=2, max_chat_inflight=2, max_chat_waiting=1,
                  refusal_delay_s=0.2)
     serve.run(wire(AppArgs(**keyed), options), name="keyed", route_prefix="/keyed")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    yield serve_url
+    delete_apps("open", "keyed")
 
 
 def chat(url, payload, **kw):

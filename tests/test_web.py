@@ -13,8 +13,7 @@ import torch
 from core.chat import save_chat_model
 from deployments.errors import error
 from deployments.openai_api import sse
-from tests.conftest import tiny_model
-from tests.test_serve import free_port
+from tests.conftest import delete_apps, tiny_model
 
 CHROMIUM = os.environ.get("STARTLUX_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [pytest.mark.serve, pytest.mark.browser,
@@ -29,8 +28,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory, tokenizer):
-    import ray
+def service(serve_url, tmp_path_factory, tokenizer):
     from ray import serve
 
     from deployments.app import AppArgs, wire
@@ -40,18 +38,14 @@ def service(tmp_path_factory, tokenizer):
     with torch.no_grad():       # greedy, it never ends a reply on its own: there is always a long answer to stop
         model.lm_head.weight[min(tokenizer.special_tokens.values()):] = 0.0
     save_chat_model(str(root / "endless"), model, tokenizer)
-    port = free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     small = {"ray_actor_options": {"num_cpus": 0.1}}
     options = {"ChatModel": small, "DecisionModel": dict(small, user_config={"max_batch_size": 8}), "Ingress": small}
     serve.run(wire(AppArgs(device="cpu"), options), name="demo", route_prefix="/")        # the demo models
     keyed = AppArgs(device="cpu", chat_checkpoint=str(root / "endless"), api_keys=[KEY], max_chat_inflight=1,
                     max_chat_waiting=0)
     serve.run(wire(keyed, options), name="keyed", route_prefix="/keyed")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    yield serve_url
+    delete_apps("demo", "keyed")
 
 
 @pytest.fixture(scope="module")

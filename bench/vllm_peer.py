@@ -35,7 +35,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,14 +46,9 @@ import httpx
 import yaml
 
 from bench.sse import Connection
+from cluster.local_cluster import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_checkpoints(root: Path) -> tuple[Path, Path, int, int]:

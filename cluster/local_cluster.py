@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -33,10 +34,27 @@ BIN = Path(sys.executable).parent
 STATE = ROOT / ".local_cluster.json"
 
 
+_PORTS = random.Random()      # its own generator: tests that seed the global one must not make ports repeat
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port between Ray's worker ports (10002-19999 by default) and the kernel's ephemeral range
+    (from 32768 here). A port chosen now is often bound much later (a service's side ports, kept for all its
+    restarts); one from the ephemeral range could be taken meanwhile by any socket that asks the kernel for a
+    port, and the dozens of Ray processes a start launches do (HAProxy once failed to bind its stats port so)."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    for _ in range(1000):
+        port = _PORTS.randrange(20000, max(ephemeral, 20001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and the ephemeral range")
 
 
 @dataclass

@@ -47,3 +47,21 @@ def test_cluster_launcher_config():
     for cmd in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]:
         assert "RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1" in cmd
         assert "RAY_SERVE_HAPROXY_BINARY_PATH=$HOME/startlux/.venv/bin/startlux-haproxy" in cmd
+
+
+def test_free_ports_come_from_outside_the_ephemeral_range_and_skip_ports_in_use(monkeypatch):
+    """The ports the tests and benchmarks fix ahead of a start lie where no socket that asks the kernel for a port
+    (Ray's processes) and no Ray worker can land, and one already bound is passed over."""
+    import socket
+
+    from cluster import local_cluster
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [local_cluster.free_port() for _ in range(50)]
+    assert all(20000 <= p < low for p in ports), ports
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", ports[0]))
+        other = next(p for p in ports if p != ports[0])
+        picks = iter([ports[0], other])
+        monkeypatch.setattr(local_cluster._PORTS, "randrange", lambda a, b: next(picks))
+        assert local_cluster.free_port() == other

@@ -46,7 +46,7 @@ import httpx
 import yaml
 
 from bench.sse import Connection
-from cluster.local_cluster import free_port
+from cluster.local_cluster import default_sigint, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +78,7 @@ class Server:
         self.url, self.health = url, health
         self.log = open(log, "wb")
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **env}, start_new_session=True)
+                                     env={**os.environ, **env}, start_new_session=True, preexec_fn=default_sigint)
 
     def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout

@@ -57,6 +57,14 @@ def free_port() -> int:
     raise RuntimeError("no free port between 20000 and the ephemeral range")
 
 
+def default_sigint() -> None:
+    """Popen's preexec_fn for a process that must stop on Ctrl-C (SIGINT), as from a terminal: the default
+    disposition, whatever the parent inherited. A background job of a non-interactive shell (`cmd &`, nohup)
+    starts with SIGINT ignored, every process below it inherits that, and Python then keeps SIGINT ignored
+    instead of raising KeyboardInterrupt: `serve run` started so sleeps through every Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @dataclass
 class Node:
     name: str

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from cluster.local_cluster import free_port
+from cluster.local_cluster import default_sigint, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -112,7 +112,6 @@ class ReadmeService:
         self.config.write_text(yaml.safe_dump(cfg))
         self.tmp_path, self.url, self.proc = tmp_path, f"http://127.0.0.1:{self.port}", None
         self.start_s: list[float] = []          # how long each start took, to /healthz answering
-        self.ignored_sigint: list[str] = []     # serve run's signal state each time a Ctrl-C did not end it
 
     def start(self, timeout: float = 180) -> float:
         """Start `serve run` and wait for /healthz; the seconds it took."""
@@ -121,7 +120,7 @@ class ReadmeService:
         t0 = time.monotonic()
         self.proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(self.config)], cwd=ROOT,
                                      stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=default_sigint)
         while time.monotonic() - t0 < timeout and self.proc.poll() is None:
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=5).status_code == 200:
@@ -253,15 +252,13 @@ def stop_serve_shutdown(svc: ReadmeService) -> None:
         time.sleep(0.5)
     assert not any(comm(p) == "haproxy" for p in svc.members()), "HAProxy outlived serve shutdown"
     svc.stop()
-    # Beside a CPU burner, serve run twice sat in its main loop's sleep after this Ctrl-C with no KeyboardInterrupt
-    # (its stacks, 2026-12-03); an operator would then stop it as a supervisor does. Its signal state is kept for
-    # the test's report, and SIGTERM (tested on its own as a stop) ends it.
-    try:
-        svc.proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        status = Path(f"/proc/{svc.proc.pid}/status").read_text().splitlines()
-        svc.ignored_sigint.append(" ".join(x for x in status if x.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn"))))
-        svc.proc.send_signal(signal.SIGTERM)
+
+
+def ignores_sigint(pid: int) -> bool:
+    """Whether process `pid` has SIGINT ignored (bit 2 of SigIgn in /proc/<pid>/status)."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    mask = int(next(x for x in status if x.startswith("SigIgn:")).split()[1], 16)
+    return bool(mask & (1 << (signal.SIGINT - 1)))
 
 
 def stop_ray(svc: ReadmeService) -> None:

@@ -65,3 +65,23 @@ def test_free_ports_come_from_outside_the_ephemeral_range_and_skip_ports_in_use(
         picks = iter([ports[0], other])
         monkeypatch.setattr(local_cluster._PORTS, "randrange", lambda a, b: next(picks))
         assert local_cluster.free_port() == other
+
+
+def test_a_server_started_with_default_sigint_stops_on_ctrl_c_even_below_a_background_job():
+    """A background job of a non-interactive shell starts with SIGINT ignored; a Python process below it keeps it
+    ignored (no KeyboardInterrupt), unless started with default_sigint."""
+    import signal
+    import subprocess
+    import sys
+
+    from cluster.local_cluster import default_sigint
+
+    probe = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"]
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)       # as under `cmd &` in a script
+    try:
+        inherited = subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
+        reset = subprocess.run(probe, capture_output=True, text=True, check=True,
+                               preexec_fn=default_sigint).stdout.strip()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert (inherited, reset) == ("False", "True")

@@ -73,6 +73,9 @@ class Outcomes:
     error_times: list = field(default_factory=list)   # (seconds since the start, kind, what), the first 200
     t0: float = field(default_factory=time.monotonic)
 
+    def error_counts(self) -> dict[str, int]:
+        return {f"{kind} / {what}": n for (kind, what), n in self.errors.items()}
+
     def fail(self, kind: str, what: str) -> None:
         self.errors[(kind, what)] += 1
         if len(self.error_times) < 200:
@@ -302,12 +305,12 @@ def soak(url: str, sid: int, minutes: float, sample_s: float, rate: float | None
     """The soak against the running service at `url` whose processes are session `sid`; `rate` None: `load` x
     the saturation a calibration measures. `trace_s`: also read the admission, streams and decision batches
     that often, and report them around each error. `warm`: that many decisions first (step 0 above)."""
-    saturation, warmed, t_warm = None, None, time.monotonic()
+    saturation, warmed = None, None
     if warm:
-        warmed = asyncio.run(warm_decisions(url, warm))
-        warmed = {"sent": warmed.sent["decision"], "ok": warmed.ok["decision"],
-                  "errors": {f"{k} / {w}": n for (k, w), n in warmed.errors.items()},
-                  "seconds": round(time.monotonic() - t_warm, 1)}
+        t0 = time.monotonic()
+        w = asyncio.run(warm_decisions(url, warm))
+        warmed = {"sent": w.sent["decision"], "ok": w.ok["decision"], "errors": w.error_counts(),
+                  "seconds": round(time.monotonic() - t0, 1)}
     if rate is None:
         saturation = asyncio.run(calibrate(url, calibrate_s))
         rate = load * saturation
@@ -331,7 +334,7 @@ def soak(url: str, sid: int, minutes: float, sample_s: float, rate: float | None
     return {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "minutes": minutes, "rate_per_s": rate, "saturation_per_s": saturation,
             "load": load if saturation else None, "warm_decisions": warmed, "sent": dict(out.sent), "ok": dict(out.ok),
-            "errors": {f"{k} / {w}": n for (k, w), n in out.errors.items()}, "error_times": out.error_times,
+            "errors": out.error_counts(), "error_times": out.error_times,
             "idle_after": idle, "idle_groups": {"before": before["groups"], "after": after["groups"]},
             "summary": summary(samples, warmup), "samples": samples,
             "processes_gone": sorted(set(start_procs.values()) - set(end_procs.values())),

@@ -113,10 +113,35 @@ def delete_apps(*names: str, timeout: float = 120) -> None:
     assert not left, f"applications not deleted within {timeout:.0f} s: {sorted(left)}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def background_soak(request, tmp_path_factory):
+    """When tests/test_operations.py's soak test is selected: the README's service and the CI soak against it,
+    started as the session begins and run in a thread beside the unit tests (tests/readme_service.py,
+    BackgroundSoak), for test_operations.py to take over. None otherwise."""
+    from tests.readme_service import SOAK_TEST, BackgroundSoak
+
+    if not any(item.nodeid.endswith(SOAK_TEST) for item in request.session.items):
+        yield None
+        return
+    run = BackgroundSoak(tmp_path_factory.mktemp("operations"))
+    try:
+        yield run
+    finally:
+        run.close()
+
+
+def run_order(item) -> tuple[bool, bool, bool]:
+    """Unit tests first (the background soak runs beside them), then test_operations.py's tests on the README's
+    service (the soak's report, then its service's other checks and its stops), then the other tests that start
+    Ray, the ones on the shared in-process Serve (serve_url) last, so that its Ray instance, torn down at the end
+    of the session, never idles beside the other tests. Each group keeps its order."""
+    starts_ray = item.get_closest_marker("serve") is not None
+    return (starts_ray, starts_ray and not item.nodeid.split("::")[0].endswith("test_operations.py"),
+            "serve_url" in getattr(item, "fixturenames", ()))
+
+
 def pytest_collection_modifyitems(config, items):
-    # the tests on the shared in-process Serve (serve_url) run last, in their order, so that its Ray instance,
-    # torn down at the end of the session, never idles beside the other tests
-    items.sort(key=lambda item: "serve_url" in getattr(item, "fixturenames", ()))
+    items.sort(key=run_order)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

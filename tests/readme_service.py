@@ -7,12 +7,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import yaml
 
+from bench.soak import soak
 from cluster.local_cluster import default_sigint, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,12 +117,22 @@ class ReadmeService:
 
     def start(self, timeout: float = 180) -> float:
         """Start `serve run` and wait for /healthz; the seconds it took."""
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start `serve run`, without waiting (BackgroundSoak launches before it starts its thread: preexec_fn runs
+        Python in the forked child, safe only while no other thread of ours can hold a lock the child needs)."""
         self.log_path = self.tmp_path / f"serve.{len(self.start_s) + 1}.log"
         self.log = open(self.log_path, "wb")
-        t0 = time.monotonic()
+        self.launched = time.monotonic()
         self.proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(self.config)], cwd=ROOT,
                                      stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
                                      start_new_session=True, preexec_fn=default_sigint)
+
+    def wait_ready(self, timeout: float = 180) -> float:
+        """Wait for the launched `serve run` to answer /healthz; the seconds since its launch."""
+        t0 = self.launched
         while time.monotonic() - t0 < timeout and self.proc.poll() is None:
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=5).status_code == 200:
@@ -164,6 +176,57 @@ class ReadmeService:
         """serve run's own clean shutdown, as Ctrl-C in its terminal (SIGINT to its process group)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
+
+
+# The CI version of bench/soak.py's run (tests/test_operations.py): two minutes at a fixed, modest rate after 32
+# decisions as fast as they are answered
+CI_SOAK = {"minutes": 2, "sample_s": 20, "rate": 3.0, "warm": 32}
+SOAK_TEST = "test_operations.py::test_two_minutes_of_mixed_load_lose_and_leak_nothing"
+
+
+class BackgroundSoak:
+    """The README's service launched, then CI_SOAK run against it, in a thread of the test process while the
+    unit tests run (conftest.py starts it when the soak test is selected and orders the unit tests first). The
+    soak's fixed two minutes at 3 operations/s leave most of a core idle, and the unit tests use it; nothing the
+    soak asserts is timing. `service()` waits for the start, `report()` for the soak; an exception raised in the
+    thread is raised there."""
+
+    def __init__(self, tmp_path: Path):
+        self.svc = ReadmeService(tmp_path)
+        self.svc.launch()
+        self.started, self.error, self.result = threading.Event(), None, None
+        self.thread = threading.Thread(target=self._run, name="readme-service-soak", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.svc.wait_ready()
+            self.started.set()
+            self.result = soak(self.svc.url, self.svc.proc.pid, **CI_SOAK)
+        except BaseException as e:             # noqa: BLE001 - raised again in the test's thread
+            self.error = e
+        finally:
+            self.started.set()
+
+    def service(self) -> ReadmeService:
+        self.started.wait()
+        if not self.svc.start_s:
+            raise self.error
+        return self.svc
+
+    def report(self) -> dict:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def close(self) -> None:
+        """Stop the service if it still runs (a session that ended before test_operations.py did) and wait for the
+        thread, whose soak then ends on refused connections."""
+        if self.svc.proc.poll() is None:
+            self.svc.stop()
+            self.svc.wait_gone(90)
+        self.thread.join(timeout=300)
 
 
 def check_answers(url: str) -> None:

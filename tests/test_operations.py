@@ -1,5 +1,5 @@
 """Operations against the README's service, started once for the module: two minutes of bench/soak.py's mixed
-load lose and leak nothing; Debian's Prometheus scrapes the service with the shipped local config
+load lose and leak nothing (service and soak start with the session and run beside the unit tests, conftest.py); Debian's Prometheus scrapes the service with the shipped local config
 (cluster/prometheus) and every panel of the Grafana dashboard (cluster/grafana) has series; the metric names
 docs/deployment.md gives are the names Prometheus sees; the panels are the ones the docs describe. Last, the
 service answers and listens only where it should, and every way of stopping it leaves nothing behind, so that it
@@ -19,8 +19,9 @@ import yaml
 
 from bench.soak import MIX, soak
 from cluster.local_cluster import free_port
-from tests.readme_service import (ReadmeService, check_answers, check_listeners, check_torch_only_in_children,
-                                  ignores_sigint, stop_ray, stop_serve_shutdown, stop_sigterm, stop_sigterm_then_sigkill)
+from tests.readme_service import (CI_SOAK, ReadmeService, check_answers, check_listeners,
+                                  check_torch_only_in_children, ignores_sigint, stop_ray, stop_serve_shutdown,
+                                  stop_sigterm, stop_sigterm_then_sigkill)
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "cluster" / "grafana" / "startlux-serve.json"
@@ -126,11 +127,15 @@ def session_dir(svc: ReadmeService) -> Path:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
-    """The README's service, started once for the module's tests; the last of them stops it in every way."""
-    svc = ReadmeService(tmp_path_factory.mktemp("operations"))
-    try:
+def service(background_soak, tmp_path_factory):
+    """The README's service, started once for the module's tests (by conftest.py's background soak as the session
+    began, when the soak test is selected); the last of them stops it in every way."""
+    if background_soak is not None:
+        svc = background_soak.service()
+    else:
+        svc = ReadmeService(tmp_path_factory.mktemp("operations"))
         svc.start()
+    try:
         yield svc
     finally:
         if svc.proc is not None and svc.proc.poll() is None:
@@ -165,13 +170,12 @@ def live(service, tmp_path_factory):
 
 
 @pytest.mark.serve
-def test_two_minutes_of_mixed_load_lose_and_leak_nothing(live):
+def test_two_minutes_of_mixed_load_lose_and_leak_nothing(service, background_soak):
     """bench/soak.py's mix (chat streams, completions, decisions, disconnects, bad requests) for two minutes at a
-    fixed, modest rate: nothing lost, no error but the bad requests' own answers, and afterwards nothing left
-    running, no process gone or added, no descriptors piling up. Timing is not asserted (the hour-long run and
-    its slopes are bench/README.md's)."""
-    svc, _ = live
-    r = soak(svc.url, svc.proc.pid, minutes=2, sample_s=20, rate=3.0, warm=32)
+    fixed, modest rate (CI_SOAK; run beside the unit tests, see conftest.py): nothing lost, no error but the bad
+    requests' own answers, and afterwards nothing left running, no process gone or added, no descriptors piling
+    up. Timing is not asserted (the hour-long run and its slopes are bench/README.md's)."""
+    r = background_soak.report() if background_soak else soak(service.url, service.proc.pid, **CI_SOAK)
     assert r["warm_decisions"]["ok"] == r["warm_decisions"]["sent"] == 32, r["warm_decisions"]
     assert sum(r["sent"].values()) > 100 and set(r["sent"]) == set(MIX), r["sent"]
     assert r["errors"] == {}, r["errors"]

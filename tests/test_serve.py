@@ -47,10 +47,10 @@ def service(serve_url, tmp_path_factory, tokenizer):
                 chat_max_rows=MAX_ROWS, chat_max_waiting=16, max_body_bytes=20_000, max_messages=16,
                 max_message_chars=2000, chat_stream_interval=3,
                 decision_model_aliases=["jev-latest"])   # tokens grouped after the first text
-    serve.run(wire(AppArgs(**args), options), name="open", route_prefix="/")
     keyed = dict(args, api_keys=["sekrit"], chat_max_rows=2, max_chat_inflight=2, max_chat_waiting=1,
                  refusal_delay_s=0.2)
-    serve.run(wire(AppArgs(**keyed), options), name="keyed", route_prefix="/keyed")
+    serve.run_many([serve.RunTarget(wire(AppArgs(**args), options), name="open", route_prefix="/"),    # together
+                    serve.RunTarget(wire(AppArgs(**keyed), options), name="keyed", route_prefix="/keyed")])
     yield serve_url
     delete_apps("open", "keyed")
 
@@ -559,9 +559,10 @@ def test_streams_continue_on_another_replica_when_theirs_is_killed(service, affi
     JSON-schema one included (its grammar goes on where it stopped)."""
     import ray
 
-    # long enough that streams still run when the victim is known (a tiny model makes 500 tokens in about a second)
-    bodies = [{"messages": user(f"resume {i}"), "max_tokens": 1500, "temperature": 0} for i in range(4)] + \
-             [{"messages": user(f"resume seeded {i}"), "max_tokens": 1500, "temperature": 1.0, "top_k": 50,
+    # long enough that streams still run when the victim is known (within three stats periods, 1.5 s, of the
+    # first line; the seven streams together take about 6 s on the 2-core CPU), short enough to run twice
+    bodies = [{"messages": user(f"resume {i}"), "max_tokens": 800, "temperature": 0} for i in range(4)] + \
+             [{"messages": user(f"resume seeded {i}"), "max_tokens": 800, "temperature": 1.0, "top_k": 50,
                "seed": 40 + i} for i in range(2)]
     digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 400}
     bodies.append({"messages": user("resume constrained"), "max_tokens": 500, "temperature": 1.0, "seed": 9,
@@ -906,8 +907,9 @@ def test_lm_eval_multiple_choice_through_the_service(service, tmp_path, monkeypa
     data.write_text("".join(json.dumps(d) + "\n" for d in LM_EVAL_DOCS))
     (tmp_path / "task.yaml").write_text(LM_EVAL_TASK.format(data=data))
     checkpoint = CHECKPOINTS["chat"]
+    tasks = TaskManager(include_path=str(tmp_path), include_defaults=False)    # not its thousands (9 s to index)
     results = lm_eval.simple_evaluate(
-        model="local-completions", tasks=["startlux_pick"], task_manager=TaskManager(include_path=str(tmp_path)),
+        model="local-completions", tasks=["startlux_pick"], task_manager=tasks,
         model_args=f"model=chat,base_url={service}/v1/completions,tokenizer_backend=huggingface,"
                    f"tokenizer={checkpoint},num_concurrent=1,max_retries=1,tokenized_requests=True",
         log_samples=True)

@@ -40,10 +40,10 @@ def service(serve_url, tmp_path_factory, tokenizer):
     save_chat_model(str(root / "endless"), model, tokenizer)
     small = {"ray_actor_options": {"num_cpus": 0.1}}
     options = {"ChatModel": small, "DecisionModel": dict(small, user_config={"max_batch_size": 8}), "Ingress": small}
-    serve.run(wire(AppArgs(device="cpu"), options), name="demo", route_prefix="/")        # the demo models
     keyed = AppArgs(device="cpu", chat_checkpoint=str(root / "endless"), api_keys=[KEY], max_chat_inflight=1,
                     max_chat_waiting=0)
-    serve.run(wire(keyed, options), name="keyed", route_prefix="/keyed")
+    serve.run_many([serve.RunTarget(wire(AppArgs(device="cpu"), options), name="demo", route_prefix="/"),  # demo models
+                    serve.RunTarget(wire(keyed, options), name="keyed", route_prefix="/keyed")])
     yield serve_url
     delete_apps("demo", "keyed")
 

@@ -100,9 +100,10 @@ class ReadmeService:
         self.side_ports = {"RAY_SERVE_HAPROXY_METRICS_PORT": free_port(), "RAY_SERVE_HAPROXY_STATS_PORT": free_port(),
                            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": free_port()}
         # After its GCS is gone, `serve run` (a Ray driver) and the dashboard wait Ray's reconnect timeout (60 s)
-        # before they exit; the stop test stops the cluster under them once, and 15 s of that are enough here
+        # before they exit; the stop test stops the cluster under them once, and 5 s of that are enough here (the
+        # timeout counts only while the GCS cannot be reached at all, never while a busy host merely slows it)
         self.env = env | {k: str(v) for k, v in self.side_ports.items()}
-        self.env["RAY_gcs_rpc_server_reconnect_timeout_s"] = "15"
+        self.env["RAY_gcs_rpc_server_reconnect_timeout_s"] = "5"
         # for a stop that leaves serve run behind: its log is written as it goes, and SIGABRT (wait_gone) makes
         # it print where each of its threads is
         self.env |= {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
@@ -326,14 +327,14 @@ def ignores_sigint(pid: int) -> bool:
 
 def stop_ray(svc: ReadmeService) -> None:
     """The Ray cluster stopped under Serve as `ray stop` stops the raylet and then the GCS: SIGTERM, and SIGKILL
-    to what is left after a third of its 16 s grace period (Ray 2.60's raylet and GCS took 60 s to exit on
-    SIGTERM alone with Serve running). The processes `ray stop` ends between those two are left to go on their
-    own (the replicas, their engines, HAProxy): the test is that they do."""
+    to what is left 2 s later (`ray stop` waits up to 16 s, but Ray 2.60's raylet and GCS never ended on SIGTERM
+    alone with Serve running, so the SIGKILL comes either way). The processes `ray stop` ends between those two
+    are left to go on their own (the replicas, their engines, HAProxy): the test is that they do."""
     for name in ("raylet", "gcs_server"):
         pids = [pid for pid in svc.members() if comm(pid) == name]
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 16 / 3
+        deadline = time.monotonic() + 2
         while time.monotonic() < deadline and any(comm(pid) == name for pid in pids):
             time.sleep(0.1)
         for pid in pids:

@@ -210,8 +210,9 @@ def streaming_replicas(url, tries=30):
 
 
 # Long enough that the streams are still running when the node dies (it dies a few seconds after they start;
-# they end ten seconds or more after it, as the test prints), short enough that running them twice costs little
-STREAM_TOKENS = 1000
+# they end 10 s or more after it, as the test prints; with 1,000 tokens they ended 5-10 s after it, and once,
+# on an idle host, the lost node's streams had all ended before it died), short enough to run them twice
+STREAM_TOKENS = 2000
 
 
 def test_node_loss_under_load(cluster):

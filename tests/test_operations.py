@@ -193,8 +193,11 @@ def test_two_minutes_of_mixed_load_lose_and_leak_nothing(service, background_soa
 
 async def burst(url: str, n: int) -> collections.Counter:
     """`n` chat streams at once, more than the Ingress admits and lets wait (48 + 64 in serve_config.cpu.yaml):
-    the statuses they got."""
-    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": True}
+    the statuses they got. Each runs 32 tokens past the demo model's end of reply (ignore_eos), so that the
+    first ones still run when the last arrive: with 8 tokens that ended on their own, an idle host once
+    finished streams as fast as they came and refused none."""
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 32, "ignore_eos": True,
+            "stream": True}
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=None)) as client:
         async def one():
             async with client.stream("POST", "/v1/chat/completions", json=body) as r:

@@ -363,6 +363,6 @@ def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_fact
     assert decisions and set(decisions) == {200}, f"decisions failed: {set(decisions)}"
     assert streams and set(streams) == {"done"}, streams
     assert all(asyncio.run(chat_stream(url, 10, 300 + i))[0] == "done" for i in range(2))
-    print(f"\nautoscaling: the new config settled at one replica each after {settled:.1f} s; load -> Serve decides 2 replicas of each model after {decided_up:.1f} s, both serve after "
-          f"{up:.1f} s; light load -> decides 1 after {decided_down:.1f} s, the others gone after {down:.1f} s; "
+    print(f"\nautoscaling: the new config settled at one replica each after {settled:.1f} s; load -> Serve "
+          f"decides 2 replicas of each model after {decided_up:.1f} s, both serve after {up:.1f} s; light load -> decides 1 after {decided_down:.1f} s, the others gone after {down:.1f} s; "
           f"{len(decisions)} decisions and {len(streams)} streams, none failed")

@@ -76,7 +76,8 @@ def test_a_server_started_with_default_sigint_stops_on_ctrl_c_even_below_a_backg
 
     from cluster.local_cluster import default_sigint
 
-    probe = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"]
+    probe = [sys.executable, "-c",
+             "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"]
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)       # as under `cmd &` in a script
     try:
         inherited = subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()

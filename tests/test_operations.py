@@ -1,9 +1,10 @@
 """Operations against the README's service, started once for the module: two minutes of bench/soak.py's mixed
 load lose and leak nothing (service and soak start with the session and run beside the unit tests,
 conftest.py); Debian's Prometheus scrapes the service with the shipped local config (cluster/prometheus) and
-every panel of the Grafana dashboard (cluster/grafana) has series; the metric names docs/deployment.md gives are the names Prometheus sees; the panels are the ones the docs describe. Last, the
-service answers and listens only where it should, and every way of stopping it leaves nothing behind, so that it
-starts again on the same ports."""
+every panel of the Grafana dashboard (cluster/grafana) has series; the metric names docs/deployment.md gives
+are the names Prometheus sees; the panels are the ones the docs describe. Last, the service answers and
+listens only where it should, and every way of stopping it leaves nothing behind, so that it starts again on
+the same ports."""
 import asyncio
 import collections
 import json

@@ -35,7 +35,14 @@ logger = logging.getLogger(__name__)
 
 
 def build_engine(start: Start):
-    """The engine `start` describes, built in the calling process (torch threads set, weights loaded)."""
+    """The engine `start` describes, built in the calling process (torch threads set, weights loaded), or the
+    replay engine (replay.py: the checkpoint's tokenizer, no model, no torch)."""
+    if start.config.kind == "replay":
+        from .checkpoint import load_chat_tokenizer
+        from .replay import ReplayEngine
+
+        tok, cfg = load_chat_tokenizer(start.checkpoint)
+        return ReplayEngine(tok, cfg.sequence_len, cfg.vocab_size, start.config)
     import torch
 
     from .engine import LLMEngine
@@ -47,6 +54,12 @@ def build_engine(start: Start):
     engine = LLMEngine(model, tok, start.config, prefix_ids=list(start.prefix_ids) or None)
     engine.grammars.tokenizer()       # structured outputs' vocabulary index, before the first request needs it
     return engine
+
+
+def torch_threads() -> int:
+    """torch's intra-op threads in this process; 0 when it has not imported torch (the replay engine)."""
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else 0
 
 
 def set_cpu_policy(policy: str) -> str:
@@ -143,8 +156,6 @@ class ProcessEngine(EngineClient):
 # ---- the child side
 def serve_engine(conn: Connection) -> None:
     """The child's main loop: build the engine from Start, then take requests and step until told to stop."""
-    import torch
-
     start = conn.recv()
     assert isinstance(start, Start), start
     try:
@@ -153,7 +164,7 @@ def serve_engine(conn: Connection) -> None:
     except Exception:
         conn.send(Failed(traceback.format_exc()))
         return
-    conn.send(Ready(str(engine.device), os.getpid(), torch.get_num_threads(), policy))
+    conn.send(Ready(str(engine.device), os.getpid(), torch_threads(), policy))
 
     def emit(events) -> None:
         conn.send(Events(events))

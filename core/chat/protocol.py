@@ -37,6 +37,8 @@ GREEDY_BELOW = 1e-5             # a temperature below this is greedy, its limit 
                                 # the logits by it would overflow them
 
 CPU_POLICIES = ("normal", "idle")   # for the engine process: see engine_process.set_cpu_policy
+ENGINE_KINDS = ("model", "replay")  # the checkpoint's model, or replay.py's engine without one (benchmarks)
+H200_STEP_S = 0.00125               # one decode step of the demo model on an H200 (docs/deployment.md)
 
 
 # ---- errors that cross the engine socket (pickled with their fields)
@@ -253,8 +255,14 @@ class EngineConfig:
     process: bool = True            # step the engine in a child process (engine_process.py), not on a thread
     torch_threads: int | None = None   # torch's intra-op threads for the model (None: torch's choice)
     cpu_policy: Literal["normal", "idle"] = "normal"   # "idle": the engine process runs under SCHED_IDLE
+    kind: Literal["model", "replay"] = "model"   # "replay": replay.py's engine, no model (benchmarks and tests)
+    replay_step_s: float = H200_STEP_S          # the replay engine's step time (one token per running row)
 
     def __post_init__(self) -> None:
+        if self.kind not in ENGINE_KINDS:
+            raise ValueError(f"the chat engine is one of {list(ENGINE_KINDS)}, not {self.kind!r}")
+        if not 0 <= self.replay_step_s <= 10:
+            raise ValueError(f"replay_step_s must be in [0, 10] seconds, got {self.replay_step_s}")
         if self.cpu_policy not in CPU_POLICIES:
             raise ValueError(f"cpu_policy must be one of {list(CPU_POLICIES)}, not {self.cpu_policy!r}")
         if self.cpu_policy != "normal" and not self.process:

@@ -66,24 +66,29 @@ class Connection:
             yield await self.reader.read()
             self.close()
 
-    async def post_lines(self, path: str, payload: dict):
-        """POST `payload` as JSON; yield the response's lines as they arrive. Raises HTTPStatusError on a status
-        other than 200 (after reading the body, so the connection stays usable)."""
+    async def post_pieces(self, path: str, payload: dict):
+        """POST `payload` as JSON; yield the response body's pieces (bytes) as they arrive. Raises
+        HTTPStatusError on a status other than 200 (after reading the body, so the connection stays usable)."""
         await self._send(path, json.dumps(payload).encode())
         status, headers = await self._head()
         if status != 200:
             body = b"".join([piece async for piece in self._body(headers)])
             raise HTTPStatusError(status, body, headers)
-        buffer = b""
         async for piece in self._body(headers):
+            yield piece
+        if headers.get("connection", "").lower() == "close":
+            self.close()
+
+    async def post_lines(self, path: str, payload: dict):
+        """POST `payload` as JSON; yield the response's lines as they arrive (as post_pieces)."""
+        buffer = b""
+        async for piece in self.post_pieces(path, payload):
             buffer += piece
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
                 yield line.rstrip(b"\r").decode()
         if buffer:
             yield buffer.decode()
-        if headers.get("connection", "").lower() == "close":
-            self.close()
 
     def close(self) -> None:
         if self.writer is not None:

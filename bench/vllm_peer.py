@@ -106,13 +106,17 @@ class Server:
         self.log.close()
 
 
-def start_ours(checkpoint: Path, work: Path, args: dict | None = None, env: dict | None = None) -> Server:
+def start_ours(checkpoint: Path, work: Path, args: dict | None = None, env: dict | None = None,
+               deployments: dict[str, dict] | None = None) -> Server:
     """serve_config.cpu.yaml's service on `checkpoint`; `args` override the application's arguments (e.g.
-    chat_stream_interval), `env` adds to the environment (e.g. one of Serve's RAY_SERVE_ settings)."""
+    chat_stream_interval), `env` adds to the environment (e.g. one of Serve's RAY_SERVE_ settings),
+    `deployments` a deployment's options by its name (e.g. {"ChatModel": {"max_ongoing_requests": 600}})."""
     cfg = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())
     port = free_port()
     cfg["http_options"]["port"] = port
     cfg["applications"][0]["args"].update(chat_checkpoint=str(checkpoint), **(args or {}))
+    for d in cfg["applications"][0]["deployments"]:
+        d.update((deployments or {}).get(d["name"], {}))
     config = work / "serve_config.yaml"
     config.write_text(yaml.safe_dump(cfg))
     env = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -69,14 +70,14 @@ def cpu_ticks(pids: list[int]) -> dict[int, int]:
     return out
 
 
-def hottest(py_spy: str, pid: int, seconds: int, top: int = 15) -> tuple[float, list[tuple[str, float, float]]]:
+def hottest(py_spy: str, pid: int, seconds: int, top: int = 15, gil: bool = False) -> tuple[float, list[tuple[str, float, float]]]:
     """py-spy's samples of `pid`'s threads (idle ones left out) for `seconds` -> (samples per second,
     the functions with the most samples: (function, share as the innermost Python frame, share anywhere on the
-    stack))."""
+    stack)). `gil`: only the thread holding the GIL is sampled (where the process's Python time goes)."""
     with tempfile.NamedTemporaryFile(suffix=".txt") as f:
         subprocess.run([py_spy, "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "100",
-                        "--nonblocking", "--format", "raw", "--output", f.name], capture_output=True,
-                       timeout=seconds + 60)
+                        *(["--gil"] if gil else []), "--nonblocking", "--format", "raw", "--output", f.name],
+                       capture_output=True, timeout=seconds + 60)
         own, anywhere, total = collections.Counter(), collections.Counter(), 0
         for line in Path(f.name).read_text().splitlines():
             stack, _, n = line.rpartition(" ")
@@ -134,17 +135,15 @@ def main() -> None:
                 by_name.setdefault(name_of(pid), pid)
             targets = [n for n in ("Ingress replica", "chat replica", "chat engine process", "Serve proxy")
                        if n in by_name]
-            loader = asyncio.new_event_loop()
             for name in targets:
-                task = loader.create_task(load(server.url, None, args.streams, 10 ** 6 // args.streams,
-                                               args.max_tokens, ids))
-                loader.run_until_complete(asyncio.sleep(3))
+                # the load on a thread of its own, so that it runs while py-spy samples
+                loader = threading.Thread(target=asyncio.run, daemon=True, args=(load(
+                    server.url, None, args.streams, max(1, int(3 * args.seconds * 800 / args.max_tokens)
+                                                        // args.streams), args.max_tokens, ids),))
+                loader.start()
+                time.sleep(3)
                 rate, top = hottest(args.py_spy, by_name[name], args.seconds)
-                task.cancel()
-                try:
-                    loader.run_until_complete(task)
-                except (asyncio.CancelledError, Exception):
-                    pass
+                loader.join()
                 print(f"== {name} (pid {by_name[name]}): {rate:.0f} busy samples/s at 100/s per thread; "
                       f"innermost frame, and anywhere on the stack")
                 for frame, share, inclusive in top:

@@ -31,17 +31,20 @@ import json
 import os
 import resource
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.path_profile import TICK, cpu_ticks, name_of, session_pids
+from bench.path_profile import TICK, cpu_ticks, hottest, name_of, session_pids
 from bench.sse import Connection
 from bench.vllm_peer import ROOT, app_overrides, start_ours
 
 CHECKPOINT = ROOT / "models" / "demo-chat"
 SERVING = ("HAProxy", "Ingress replica", "chat replica", "Serve proxy")
 SHOWN = SERVING + ("chat engine process",)
+LABELS = {"HAProxy": "HAProxy", "Ingress replica": "Ingress", "chat replica": "chat", "Serve proxy": "proxy",
+          "chat engine process": "engine"}
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,28 @@ def measure(server, sc: Scenario, seconds: float) -> dict:
             "serving_us": sum(us.get(n, 0.0) for n in SERVING)}
 
 
+def profile(server, sc: Scenario, py_spy: str, seconds: int) -> dict:
+    """py-spy's hottest functions of each serving Python process while `sc` runs (a load of its own)."""
+    by_name: dict[str, int] = {}
+    for pid in session_pids(server.proc.pid):
+        by_name.setdefault(name_of(pid), pid)
+    out = {}
+    for name in ("Ingress replica", "chat replica", "chat engine process"):
+        if name not in by_name:
+            continue
+        loader = threading.Thread(target=asyncio.run, args=(load(server.url, sc, seconds + 6),))
+        loader.start()                  # the load runs on its own thread while py-spy samples
+        time.sleep(3)
+        rate, top = hottest(py_spy, by_name[name], seconds, top=40, gil=True)
+        loader.join()
+        print(f"== {sc.name}: {name} (pid {by_name[name]}): {rate:.0f} busy samples/s at 100/s per thread; "
+              f"innermost frame, and anywhere on the stack")
+        for frame, share, inclusive in top:
+            print(f"{100 * share:6.1f}% {100 * inclusive:6.1f}%  {frame}")
+        out[name] = {"samples_per_s": rate, "top": top}
+    return out
+
+
 def service_args(setting: Setting, extra: dict) -> tuple[dict, dict]:
     inflight = setting.rows + 16
     args = {"chat_engine": "replay", "chat_replay_step_s": setting.step_s, "chat_max_rows": setting.rows,
@@ -162,7 +187,7 @@ def service_args(setting: Setting, extra: dict) -> tuple[dict, dict]:
 
 
 def table(results: dict) -> str:
-    head = (f"{'scenario':26}{'tok/s':>9}{'TTFT ms':>9}" + "".join(f"{n.split()[0][:8]:>9}" for n in SHOWN)
+    head = (f"{'scenario':26}{'tok/s':>9}{'TTFT ms':>9}" + "".join(f"{LABELS[n]:>9}" for n in SHOWN)
             + f"{'rest':>8}{'serving':>9}{'client':>8}")
     lines = [head, "  (CPU microseconds per token; chat = chat replica with the engine client, engine = engine process)"]
     for name, r in results.items():
@@ -180,6 +205,8 @@ def main() -> None:
     p.add_argument("--only", nargs="*", help="scenario names (default: all)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an application argument over the benchmark's (YAML value), e.g. chat_stream_interval=8")
+    p.add_argument("--py-spy", help="py-spy's path: profile each scenario's Python processes after measuring it")
+    p.add_argument("--profile-seconds", type=int, default=10)
     p.add_argument("--json")
     args = p.parse_args()
     chosen = [sc for sc in SCENARIOS if not args.only or sc.name in args.only]
@@ -195,6 +222,8 @@ def main() -> None:
                 results[sc.name] = measure(server, sc, args.seconds)
                 print(f"{sc.name}: {results[sc.name]['tokens_per_s']:.0f} tokens/s, serving "
                       f"{results[sc.name]['serving_us']:.1f} us/token", flush=True)
+                if args.py_spy:
+                    results[sc.name]["py_spy"] = profile(server, sc, args.py_spy, args.profile_seconds)
         finally:
             server.stop()
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, --seconds {args.seconds}")

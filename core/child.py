@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # holds the `core` package
 
@@ -72,13 +73,19 @@ class Child:
             except OSError as e:
                 raise died(f"{self.what} has stopped ({e})") from None
 
-    def records(self, logger):
+    def records(self, logger, raw=None):
         """What the child sends, until the connection ends or a record cannot be read: then this process and the
         child no longer agree on the records (a child started from other code), nothing more from it can be
-        trusted, and the error is logged. The caller's reader treats both as the child lost."""
+        trusted, and the error is logged. The caller's reader treats both as the child lost. `raw(data)`, when
+        given, reads what the child sent with `send_bytes` in a form of its own (anything but a pickle, which
+        starts with 0x80): the chat engine's events, in msgpack."""
         while True:
             try:
-                yield self.conn.recv()
+                if raw is None:
+                    yield self.conn.recv()
+                    continue
+                data = self.conn.recv_bytes()
+                yield ForkingPickler.loads(data) if data[:1] == b"\x80" else raw(data)
             except (EOFError, OSError):
                 return
             except Exception:

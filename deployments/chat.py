@@ -2,13 +2,16 @@
 
 Many streams share the replica's engine (nanochat's old server and seed 001 served one request at a
 time under a lock). `generate` is a streaming method: the Ingress calls it through a streaming handle with a
-`GenerateRequest` and gets lists of `TokenEvent`s (core/chat/protocol.py). If the caller goes away, the
+`GenerateRequest` and gets messages of `Delta`s, msgpack-encoded (core/chat/protocol.py). If the caller goes away, the
 generator is closed or cancelled and the engine aborts the request, freeing its cache rows at the next step.
 By default the engine steps in a child process of the replica (core/chat/engine_process.py), so the model and
 the replica's event loop never wait on each other's GIL; `chat_engine_process: false` keeps it on a thread.
 
 A generation here is: prompt ids (the chat template, or raw prompts after <|bos|>), one engine stream per
-prompt (merged), the events grouped into messages (`stream_interval`), metrics on the way.
+prompt (merged), then one loop over the engine client's deliveries (held as `stream_interval` and
+`stream_interval_s` say, in the engine client's receiving thread): metrics once per delivery, the delivery's
+events as Deltas (a choice's consecutive tokens in one record, logprobs as clients see them), one encoded
+message to the Ingress.
 """
 from __future__ import annotations
 
@@ -24,8 +27,9 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from core.chat import ChatPrompter, ChatTokenizer, PromptError, load_chat_defaults, load_chat_tokenizer
 from core.chat.engine_process import start_engine
-from core.chat.protocol import (EngineDied, EngineError, EngineFull, EngineStats, GenerateRequest, SamplingDefaults,
-                                SamplingError, ShownLogprobs, ShownToken, Start, StreamError, TokenEvent)
+from core.chat.protocol import (Delta, EngineDied, EngineError, EngineFull, EngineStats, GenerateRequest,
+                                SamplingDefaults, SamplingError, ShownLogprobs, ShownToken, Start, StreamError,
+                                TokenEvent, encode_message)
 
 from .settings import ChatSettings, checkpoint_time
 
@@ -71,17 +75,20 @@ class ChatMetrics:
         self._reported = (max(queries, s.prefix_query_tokens), max(hits, s.prefix_hit_tokens))
 
     def tokens(self, batch: list[TokenEvent], arrival: float, last: dict[int, float]) -> None:
-        """Time to first token, inter-token latency and the token count of one batch of events; `last` keeps
-        each sample's latest token time."""
-        now, tokens = time.monotonic(), 0
+        """Time to first token, inter-token latency and the token count of one delivery of events, observed once
+        per sample per delivery (as vLLM observes per engine output, not per token): a sample's inter-token
+        latency is the time since its previous delivery. `last` keeps each sample's latest delivery time."""
+        now, tokens, seen = time.monotonic(), 0, set()
         for ev in batch:
             if ev.token is not None:
                 tokens += 1
-                if ev.index in last:
-                    self.itl.observe(now - last[ev.index])
-                else:
-                    self.ttft.observe(now - arrival)
-                last[ev.index] = now
+                seen.add(ev.index)
+        for i in seen:
+            if i in last:
+                self.itl.observe(now - last[i])
+            else:
+                self.ttft.observe(now - arrival)
+            last[i] = now
         if tokens:
             self.generated.inc(tokens)
 
@@ -109,25 +116,77 @@ def shown_token(tok: ChatTokenizer, token_id: int, logprob: float | None) -> Sho
     return ShownToken(text, tuple(raw), logprob if logprob is None or math.isfinite(logprob) else -9999.0)
 
 
-def with_logprobs(tok: ChatTokenizer, ev: TokenEvent, bos_added: bool = False) -> TokenEvent:
-    """`ev` with its logprobs and its prompt's as clients see them (token texts and bytes), when it carries any.
-    `bos_added`: the prompt's <|bos|> was put there by this deployment, so it is not the client's: its entry
-    goes, and the client's first token, like any prompt's first, shows no logprob."""
-    update = {}
-    if ev.logprob is not None:
-        update["logprobs"] = ShownLogprobs(shown_token(tok, ev.token, ev.logprob),
-                                           tuple(shown_token(tok, t, lp) for t, lp in ev.top_logprobs))
-    if ev.prompt_logprobs is not None:
-        entries = ev.prompt_logprobs[1:] if bos_added else ev.prompt_logprobs
-        update["prompt_entries"] = tuple(
-            ShownLogprobs(shown_token(tok, t, lp if i else None), tuple(shown_token(tok, a, v) for a, v in top or ())
-                          if i else ()) for i, (t, lp, top) in enumerate(entries))
-    return msgspec.structs.replace(ev, **update) if update else ev
+def prompt_entries(tok: ChatTokenizer, ev: TokenEvent, bos_added: bool) -> tuple[ShownLogprobs, ...]:
+    """`ev`'s prompt logprobs as clients see them (token texts and bytes). `bos_added`: the prompt's <|bos|> was
+    put there by this deployment, so it is not the client's: its entry goes, and the client's first token, like
+    any prompt's first, shows no logprob."""
+    entries = ev.prompt_logprobs[1:] if bos_added else ev.prompt_logprobs
+    return tuple(ShownLogprobs(shown_token(tok, t, lp if i else None),
+                               tuple(shown_token(tok, a, v) for a, v in top or ()) if i else ())
+                 for i, (t, lp, top) in enumerate(entries))
 
 
-async def merged(streams: list, n: int) -> AsyncIterator[list[TokenEvent]]:
-    """Several engine streams (one per prompt, each of n samples) as one: a batch of events whenever any stream has
-    one, each event's sample index moved to prompt * n + sample (OpenAI's choice order)."""
+class _Run:
+    """A Delta being gathered: consecutive events of one choice in one segment."""
+
+    __slots__ = ("index", "tokens", "text", "length", "segment", "closes", "finish", "prompt", "completion",
+                 "cached", "logprobs", "offsets", "entries")
+
+    def __init__(self, index: int, ev: TokenEvent):
+        self.index, self.segment = index, ev.segment
+        self.tokens: list[int] = []
+        self.text: list[str] = []
+        self.length = 0                     # characters in `text` that join the reply's text
+        self.logprobs: list | None = None
+        self.offsets: list[int] = []
+        self.entries = None
+        self.closes, self.finish = False, None
+
+    def delta(self) -> Delta:
+        return Delta(self.index, tuple(self.tokens), "".join(self.text), self.segment, self.closes, self.finish,
+                     self.prompt, self.completion, self.cached,
+                     tuple(self.logprobs) if self.logprobs is not None else None,
+                     tuple(self.offsets) if self.logprobs is not None else None, self.entries)
+
+
+def deltas(tok: ChatTokenizer, batch: list[TokenEvent], offset: int = 0, bos_added: bool = False) -> list[Delta]:
+    """One delivery of a stream's events as Deltas: per choice (`offset` + the sample's index), a record for
+    each run of events in one segment that no calculator part's end or sample's end breaks. Logprobs become
+    what clients see (token texts and bytes) here, where the tokenizer is."""
+    out: list[_Run] = []
+    open_runs: dict[int, _Run] = {}
+    for ev in batch:
+        index = offset + ev.index
+        run = open_runs.get(index)
+        if run is None or run.segment != ev.segment:
+            run = open_runs[index] = _Run(index, ev)
+            out.append(run)
+        if ev.token is not None:
+            run.tokens.append(ev.token)
+        run.prompt, run.completion, run.cached = ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens
+        if ev.logprob is not None:
+            run.offsets.append(run.length)
+            shown = ShownLogprobs(shown_token(tok, ev.token, ev.logprob),
+                                  tuple(shown_token(tok, t, lp) for t, lp in ev.top_logprobs))
+            if run.logprobs is None:
+                run.logprobs = [shown]
+            else:
+                run.logprobs.append(shown)
+        if ev.text:
+            run.text.append(ev.text)
+            if ev.segment == "text":        # a calculator part's text is not part of the reply's text
+                run.length += len(ev.text)
+        if ev.prompt_logprobs is not None:
+            run.entries = prompt_entries(tok, ev, bos_added)
+        if ev.closes or ev.finish_reason is not None:
+            run.closes, run.finish = ev.closes, ev.finish_reason
+            del open_runs[index]
+    return [run.delta() for run in out]
+
+
+async def merged(streams: list) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
+    """Several engine streams (one per prompt) as one: (the prompt's place, a delivery of its events) whenever
+    any stream has one."""
     pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
     try:
         while pending:
@@ -139,35 +198,16 @@ async def merged(streams: list, n: int) -> AsyncIterator[list[TokenEvent]]:
                 except StopAsyncIteration:
                     continue
                 pending[asyncio.ensure_future(streams[i].__anext__())] = i
-                yield [msgspec.structs.replace(ev, index=i * n + ev.index) for ev in batch]
+                yield i, batch
     finally:
         for fut in pending:
             fut.cancel()
 
 
-async def grouped(batches: AsyncIterator[list[TokenEvent]], interval: int) -> AsyncIterator[list]:
-    """The engine's batches as messages to the Ingress: until the client has seen output, every batch at once;
-    then held until `interval` tokens have gathered or a sample ends. A sample that fails ends the stream with
-    MODEL_FAILED, an engine that dies with ENGINE_STOPPED, each after the events held."""
-    out: list[TokenEvent] = []
-    held, shown = 0, False
-    try:
-        async for batch in batches:
-            for ev in batch:
-                if ev.finish_reason == "error":
-                    yield out + [MODEL_FAILED]
-                    return
-                out.append(ev)
-            held += sum(1 for ev in batch if ev.token is not None)
-            if out and (not shown or held >= interval or out[-1].finish_reason):
-                yield out
-                shown = shown or any(ev.shows_output for ev in out)
-                out, held = [], 0
-    except EngineDied:
-        yield out + [ENGINE_STOPPED]
-        return
-    if out:
-        yield out
+async def numbered(stream) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
+    """One engine stream in merged's form."""
+    async for batch in stream:
+        yield 0, batch
 
 
 @serve.deployment(name="ChatModel")
@@ -183,7 +223,7 @@ class ChatModel:
         self.tok, self.sequence_len = tok, cfg.sequence_len
         self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot)
         start = Start(settings.checkpoint, settings.device, settings.engine, tuple(self.prompter.prefix_ids))
-        self.engine = start_engine(start, on_stats=self.metrics.engine_stats)
+        self.engine = start_engine(start, on_stats=self.metrics.engine_stats, hold=settings.hold)
         logger.info("chat model %s loaded (%s, %d rows, %s)", self.name, type(self.engine).__name__,
                     settings.engine.max_rows, getattr(self.engine, "info", None))
 
@@ -226,51 +266,51 @@ class ChatModel:
             out.append(ids)
         return out, added
 
-    async def _open(self, request: GenerateRequest, streams: list) -> tuple[AsyncIterator, list[TokenEvent], list]:
-        """One engine stream per prompt (into `streams`), merged; -> (the stream, its first batch, whether each
-        prompt got its <|bos|> here). Raises what the prompter or the engine refuses."""
+    async def _open(self, request: GenerateRequest, streams: list):
+        """One engine stream per prompt (into `streams`), as one; -> (the stream, its first delivery, whether
+        each prompt got its <|bos|> here). Raises what the prompter or the engine refuses."""
         prompts, bos_added = self._prompt_ids(request)
         if request.resume and len(prompts) != 1:
             raise EngineError("only a request of one prompt can continue an earlier generation")
         for ids in prompts:
             streams.append(self.engine.generate(ids, request.params, resume=list(request.resume) or None))
-        stream = streams[0] if len(streams) == 1 else merged(streams, request.params.n)
+        stream = numbered(streams[0]) if len(streams) == 1 else merged(streams)
         first = await stream.__anext__()
         self.metrics.prompted.inc(sum(len(ids) for ids in prompts))
         return stream, first, bos_added
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[list]:
-        """Lists of TokenEvents (with logprobs as clients see them), every event ready at that moment in one list
-        (once text has gone out, held until `stream_interval` tokens have gathered or a sample ends). With
-        several prompts, sample i of prompt p has index p * n + i. A refused request yields one [StreamError];
-        a failure mid-way ends the stream with one."""
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[bytes]:
+        """The stream's messages: each one delivery of the engine client (everything ready for the stream at
+        that moment; after its first text, held as `stream_interval` and `stream_interval_s` say) as Deltas,
+        encoded (protocol.encode_message). With several prompts, sample i of prompt p is choice p * n + i. A
+        refused request is one message of one StreamError; a failure mid-way ends the stream with one."""
         arrival = time.monotonic()
         streams: list = []
         try:
             stream, first, bos_added = await self._open(request, streams)
         except REFUSED as e:
             await close_all(streams)
-            yield [refusal(e)]
+            yield encode_message([refusal(e)])
             return
         last: dict[int, float] = {}
-        p = request.params
-        shows_logprobs = p.logprobs is not None or p.prompt_logprobs is not None
-
-        async def batches():
-            batch = first
+        n = request.params.n
+        try:
+            prompt, batch = first
             while True:
                 self.metrics.tokens(batch, arrival, last)
-                yield [with_logprobs(self.tok, ev, bos_added[ev.index // p.n]) for ev in batch] if shows_logprobs \
-                    else batch
+                failed = next((k for k, ev in enumerate(batch) if ev.finish_reason == "error"), None)
+                if failed is not None:
+                    yield encode_message(deltas(self.tok, batch[:failed], prompt * n, bos_added[prompt])
+                                         + [MODEL_FAILED])
+                    return
+                yield encode_message(deltas(self.tok, batch, prompt * n, bos_added[prompt]))
                 try:
-                    batch = await stream.__anext__()
+                    prompt, batch = await stream.__anext__()
                 except StopAsyncIteration:
                     self.metrics.e2e.observe(time.monotonic() - arrival)
                     return
-
-        try:
-            async for message in grouped(batches(), self.settings.stream_interval):
-                yield message
+        except EngineDied:
+            yield encode_message([ENGINE_STOPPED])
         finally:
             await stream.aclose()
             await close_all(streams)

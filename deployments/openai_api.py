@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from core.chat.grammars import GrammarError, ToolCallReader, ToolPlan, response_format_grammar, tool_plan, tools_text
 from core.chat.protocol import (MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP, MAX_TEMPERATURE,
-                                MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, SamplingDefaults, SamplingParams, ShownLogprobs,
-                                ShownToken, TokenEvent)
+                                MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, Delta, SamplingDefaults, SamplingParams,
+                                ShownLogprobs, ShownToken)
 
 
 class ContentPart(BaseModel):
@@ -320,20 +320,22 @@ class Completion:
         elif text or kind != "text":
             parts.append({"type": kind, "text": text})
 
-    def _record_logprob(self, i: int, entry: dict) -> None:
+    def _record_logprob(self, i: int, entry: dict, offset: int) -> None:
+        """A sampled token's entry; `offset`: where its text starts in the text its record brings."""
         self.logprobs[i].append(entry)
         self.unsent[i].append(entry)
 
-    def feed(self, ev: TokenEvent) -> list[dict]:
-        """One engine event -> the stream chunks it produces (possibly none). Text streams as `content`; a
-        calculator call or its output is sent whole, as one `parts` delta, when it closes. A sampled token's
-        logprob entry rides on the next chunk of its choice."""
+    def feed(self, ev: Delta) -> list[dict]:
+        """One record of the chat stream -> the stream chunks it produces (possibly none). Text streams as
+        `content`, a record's text in one chunk; a calculator call or its output is sent whole, as one `parts`
+        delta, when it closes. Sampled tokens' logprob entries ride on the next chunk of their choice."""
         i = ev.index
         self.prompt_tokens[i // self.n] = ev.prompt_tokens
         self.cached_tokens[i // self.n] = ev.cached_tokens
         self.completion_tokens[i] = max(self.completion_tokens[i], ev.completion_tokens)
         if ev.logprobs is not None:
-            self._record_logprob(i, logprob_entry(ev.logprobs))
+            for lp, offset in zip(ev.logprobs, ev.logprob_offsets):
+                self._record_logprob(i, logprob_entry(lp), offset)
         chunks = []
         if self.readers is not None:
             self.text[i] += ev.text
@@ -418,9 +420,9 @@ class TextCompletion(Completion):
         self.scored = bool(echo) and logprobs
         self.prompt_legacy: list[dict | None] = [None] * prompts
 
-    def _record_logprob(self, i: int, entry: dict) -> None:
-        super()._record_logprob(i, entry)
-        self.offsets[i].append(len(self.echo[i // self.n]) + len(self.text[i]) if self.echo else len(self.text[i]))
+    def _record_logprob(self, i: int, entry: dict, offset: int) -> None:
+        super()._record_logprob(i, entry, offset)
+        self.offsets[i].append((len(self.echo[i // self.n]) if self.echo else 0) + len(self.text[i]) + offset)
 
     def _legacy(self, i: int, entries: list[dict]) -> dict:
         offsets = self.offsets[i][len(self.offsets[i]) - len(entries):]
@@ -436,7 +438,7 @@ class TextCompletion(Completion):
                 "top_logprobs": [{t.token: t.logprob for t in e.top} if e.chosen.logprob is not None else None
                                  for e in entries], "text_offset": offsets}
 
-    def feed(self, ev: TokenEvent) -> list[dict]:
+    def feed(self, ev: Delta) -> list[dict]:
         chunks = []
         if self.scored and ev.prompt_entries is not None:
             p = ev.index // self.n

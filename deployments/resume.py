@@ -15,7 +15,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from core.chat.protocol import GenerateRequest, StreamError
+from core.chat.protocol import GenerateRequest, StreamError, decode_message
 
 from .errors import APIError, error
 
@@ -50,7 +50,7 @@ class RetryPolicy:
 
 
 class ChatStream:
-    """The event batches of one generation on the chat replicas. When the replica streaming it is lost mid-way,
+    """The records of one generation on the chat replicas, a list (Delta | StreamError) per message. When the replica streaming it is lost mid-way,
     the generation goes on on another one from the tokens received so far (the request's `resume`: the new
     replica prefills them after the prompt and replays their tool, text and sampler state), retried as `retry`
     says: the reader sees one uninterrupted stream, and a greedy or seeded generation gives the tokens an
@@ -76,13 +76,14 @@ class ChatStream:
         self.stream = self.handle.generate.remote(request)
         return self._record(await self.stream.__anext__())
 
-    def _record(self, batch: list) -> list:
+    def _record(self, message: bytes) -> list:
+        """A message of the chat deployment -> its records (Delta | StreamError), the tokens noted."""
+        batch = decode_message(message)
         for ev in batch:
             if isinstance(ev, StreamError):
                 self.ended = True
                 continue
-            if ev.token is not None:
-                self.tokens.append(ev.token)
+            self.tokens += ev.tokens
             if ev.finish_reason:
                 self.ended = True
         return batch

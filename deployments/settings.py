@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from core.chat.async_engine import StreamHold
 from core.chat.protocol import EngineConfig
 from core.decision.config import DecisionConfig
 
@@ -59,6 +60,7 @@ class ChatSettings(BaseModel):
     model_name: str | None = None                   # default: the checkpoint directory's name
     device: str | None = None                       # "cuda", "cpu", or None for CUDA when present
     stream_interval: int = Field(1, ge=1)           # after a stream's first text, tokens per message to the Ingress
+    stream_interval_s: float = Field(0.0, ge=0, le=1)   # ... or, when set, at most one message per this long
     engine: EngineConfig = EngineConfig()
 
     @model_validator(mode="before")
@@ -71,6 +73,10 @@ class ChatSettings(BaseModel):
     @property
     def name(self) -> str:
         return self.model_name or os.path.basename(os.path.normpath(self.checkpoint))
+
+    @property
+    def hold(self) -> StreamHold:
+        return StreamHold(self.stream_interval, self.stream_interval_s)
 
 
 class DecisionSettings(BaseModel):

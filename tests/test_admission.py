@@ -6,7 +6,7 @@ import pytest
 
 from ray.exceptions import ActorUnavailableError
 
-from core.chat.protocol import GenerateRequest, SamplingParams, TokenEvent
+from core.chat.protocol import Delta, GenerateRequest, SamplingParams, encode_message
 from deployments.admission import Admission
 from deployments.errors import APIError
 from deployments.resume import ChatStream, RetryPolicy
@@ -98,14 +98,14 @@ class ScriptedStream:
         item = self.script.pop(0)
         if isinstance(item, BaseException):
             raise item
-        return item
+        return encode_message(item)         # what the chat deployment sends
 
     def cancel(self):
         self.handle.cancelled += 1
 
 
 def tok(t, finish=None):
-    return TokenEvent("r", 0, t, str(t), finish_reason=finish)
+    return Delta(0, (t,), str(t), finish_reason=finish)
 
 
 def request(**params):
@@ -130,7 +130,7 @@ def test_a_lost_replica_is_continued_from_the_tokens_received():
                 return stream, batches
 
     stream, batches = asyncio.run(main())
-    assert [ev.token for b in batches for ev in b] == [5, 6, 7, 8, 9]
+    assert [t for b in batches for ev in b for t in ev.tokens] == [5, 6, 7, 8, 9]
     assert handle.payloads[0].resume == ()
     assert handle.payloads[1].resume == handle.payloads[2].resume == (5, 6, 7)
     assert handle.payloads[2].params == SamplingParams(seed=1) and stream.continued == 1 and moved == [1]

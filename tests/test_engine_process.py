@@ -12,10 +12,10 @@ import msgspec
 import pytest
 
 from core.chat import EngineError, EngineFull, LLMEngine, SamplingParams, load_chat_model, save_chat_model
-from core.chat.async_engine import AsyncEngine
+from core.chat.async_engine import AsyncEngine, EngineClient, StreamHold
 from core.chat.engine_process import ProcessEngine, start_engine
 from core.chat.protocol import (EngineConfig, EngineDied, GenerateRequest, SamplingParams as Params, Start, StreamError,
-                                TokenEvent)
+                                TokenEvent, decode_message)
 from tests.conftest import tiny_model, unreadable_records
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,7 +160,7 @@ def test_an_unreadable_record_ends_open_streams_instead_of_hanging(checkpoint, m
 
     pe = ProcessEngine(Start(checkpoint, "cpu", EngineConfig(max_rows=2)))
     try:
-        unreadable_records(monkeypatch, protocol, "Events")
+        unreadable_records(monkeypatch, protocol, "Stats")    # sent after the first step
         with pytest.raises(EngineDied):
             run(stream_tokens(pe, [1, 2, 3], SamplingParams(max_tokens=4)), timeout=60)
         assert not pe.alive()
@@ -207,106 +207,152 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_chat_deployment_same_events_with_either_front(checkpoint):
-    """The chat deployment class (outside Serve) streams the same events whether its engine runs in a child
-    process or on a thread, and turns a refused request into an error event either way."""
+def per_choice(records) -> dict:
+    """A stream's records put end to end per choice: (token ids, text by segment, finish reasons)."""
+    out = {}
+    for d in records:
+        if isinstance(d, StreamError):
+            out.setdefault("error", []).append(d)
+            continue
+        tokens, text, finish = out.setdefault(d.index, ([], [], []))
+        tokens += d.tokens
+        text.append((d.segment, d.text))
+        finish += [d.finish_reason] if d.finish_reason else []
+    return {k: v if k == "error" else (v[0], "".join(t for seg, t in v[1] if seg == "text"), v[2])
+            for k, v in out.items()}
+
+
+async def chat_messages(model, request) -> list[list]:
+    return [decode_message(m) async for m in model.generate(request)]
+
+
+def test_chat_deployment_same_stream_with_either_front(checkpoint):
+    """The chat deployment class (outside Serve) streams the same tokens and text whether its engine runs in a
+    child process or on a thread, and turns a refused request into an error record either way."""
     from deployments.chat import ChatModel
     from deployments.settings import ChatSettings
 
     messages = ({"role": "user", "content": "hello how are you"},)
     request = GenerateRequest(Params(max_tokens=10, temperature=1.0, seed=11, n=2), messages=messages)
     too_many = GenerateRequest(Params(n=9), messages=messages)
-
-    async def events(model, req):       # request ids are the engine client's own: compared without them
-        return [msgspec.structs.replace(ev, request_id="") if isinstance(ev, TokenEvent) else ev
-                async for batch in model.generate(req) for ev in batch]
-
     got = {}
     for engine_process in (True, False):
         model = ChatModel.func_or_class(ChatSettings(checkpoint=checkpoint, device="cpu", max_rows=4,
                                                      process=engine_process))
         try:
             assert type(model.engine).__name__ == ("ProcessEngine" if engine_process else "AsyncEngine")
-            got[engine_process] = (run(events(model, request)), run(events(model, too_many)))
+            got[engine_process] = (per_choice(r for m in run(chat_messages(model, request)) for r in m),
+                                   run(chat_messages(model, too_many)))
         finally:
             model.engine.shutdown()
     assert got[True] == got[False]
     streamed, refused = got[True]
-    assert sum(1 for ev in streamed if ev.token is not None) == 20
-    assert [ev.finish_reason for ev in streamed if ev.finish_reason] == ["length", "length"]
-    assert isinstance(refused[0], StreamError)
-    assert refused[0].type == "invalid_request_error" and "n=9" in refused[0].message
+    assert [len(streamed[i][0]) for i in (0, 1)] == [10, 10]
+    assert [streamed[i][2] for i in (0, 1)] == [["length"], ["length"]]
+    assert refused == [[refused[0][0]]] and isinstance(refused[0][0], StreamError)
+    assert refused[0][0].type == "invalid_request_error" and "n=9" in refused[0][0].message
 
 
 def test_stream_interval_groups_tokens_after_the_first(checkpoint):
-    """stream_interval=4 with the real engine: the events, put end to end, are those of stream_interval=1, and
-    once a message has shown text, each later one carries at least 4 tokens or ends a sample. (How the events
-    before the first text are split depends on timing: the engine front hands over every step ready.)"""
+    """stream_interval=4 with the real engine: the stream, put end to end per choice, is that of
+    stream_interval=1, and once a message has shown text, each later one carries at least 4 tokens or ends a
+    sample. (How the events before the first text are split depends on timing.)"""
     from deployments.chat import ChatModel
     from deployments.settings import ChatSettings
 
     request = GenerateRequest(Params(max_tokens=11, temperature=1.0, seed=5, n=2),
                               messages=({"role": "user", "content": "hello how are you"},))
-
-    async def messages(model):
-        return [batch async for batch in model.generate(request)]
-
     got = {}
     for interval in (1, 4):
         model = ChatModel.func_or_class(ChatSettings(checkpoint=checkpoint, device="cpu", max_rows=4,
                                                      stream_interval=interval))
         try:
-            got[interval] = run(messages(model))
+            got[interval] = run(chat_messages(model, request))
         finally:
             model.engine.shutdown()
-    flat = lambda messages: [msgspec.structs.replace(ev, request_id="") for m in messages for ev in m]   # noqa: E731
+    flat = lambda messages: per_choice(r for m in messages for r in m)   # noqa: E731
     assert flat(got[4]) == flat(got[1])
-    tokens = [sum(ev.token is not None for ev in m) for m in got[4]]
+    tokens = [sum(len(d.tokens) for d in m) for m in got[4]]
     assert sum(tokens) == 22
-    shown = next(i for i, m in enumerate(got[4]) if any(ev.text and ev.segment == "text" for ev in m))
-    assert all(t >= 4 or m[-1].finish_reason for t, m in zip(tokens[shown + 1:], got[4][shown + 1:])), tokens
+    shown = next(i for i, m in enumerate(got[4]) if any(d.text and d.segment == "text" for d in m))
+    assert all(t >= 4 or any(d.finish_reason for d in m) for t, m in zip(tokens[shown + 1:], got[4][shown + 1:]))
     with pytest.raises(ValueError, match="stream_interval"):
         ChatSettings(checkpoint=checkpoint, device="cpu", stream_interval=0)
 
 
-def test_stream_interval_partition(checkpoint):
-    """The grouping itself, with a scripted engine (one step per batch): steps without visible text go at once,
-    the step with the first text too; then groups of 3 tokens, a calculator part closing inside a group does
-    not flush it, and the end goes at once with whatever is held; so does an engine that dies."""
-    from core.chat.protocol import TokenEvent
-    from deployments.chat import ChatModel
-    from deployments.settings import ChatSettings
+class DirectClient(EngineClient):
+    """An engine client whose events the test hands over itself (`_deliver`), on a clock it sets."""
 
+    max_rows = 4
+
+    def __init__(self, hold):
+        super().__init__(hold=hold)
+        self.now = 100.0
+        self.clock = lambda: self.now
+
+    def _submit(self, prompt, params, rid, resume):
+        self.rid = rid
+
+    def _cancel(self, rid):
+        pass
+
+    def stats(self):
+        return None
+
+    def alive(self):
+        return True
+
+    def shutdown(self):
+        pass
+
+
+def test_stream_hold_partition():
+    """The hold in the engine client, step by step: steps without visible text go at once, the step with the
+    first text too; then groups of 3 tokens, or (with a time) whatever is held once that long has passed since
+    the last wake; a calculator part closing inside a group does not end it; a sample's end goes at once with
+    whatever is held; so does a failure, after the events held; a reader that falls behind gets every
+    delivery that arrived meanwhile in one."""
     def ev(token, text="", segment="text", closes=False, finish=None):
         return TokenEvent("r", 0, token, text, segment, False, closes, finish, 5, 0)
 
     steps = [[ev(1)], [ev(2)], [ev(3, "Hi")], [ev(4, " a")], [ev(5, "b")], [ev(6, "c")], [ev(7, "", "python")],
              [ev(8, "1+1", "python", closes=True)], [ev(9, "d")], [ev(10, "e")], [ev(None, "", finish="stop")]]
 
-    class Scripted:
-        max_rows = 4
-        dies = False
+    async def play(hold, steps, fail=None, seconds_per_step=0.0, behind=()):
+        client = DirectClient(hold)
+        stream = client.generate([1], Params(max_tokens=20))
+        got, pending = [], asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)
+        for k, step in enumerate(steps):
+            client._deliver([msgspec.structs.replace(e, request_id=client.rid) for e in step])
+            client.now += seconds_per_step
+            if k in behind:
+                continue                         # the reader does not run before the next step
+            for _ in range(3):
+                await asyncio.sleep(0)
+            if pending.done():
+                got.append([e.token for e in pending.result()])
+                pending = asyncio.ensure_future(stream.__anext__())
+        if fail is not None:
+            client._fail([client.rid], fail)
+        try:
+            while True:
+                got.append([e.token for e in await pending])
+                pending = asyncio.ensure_future(stream.__anext__())
+        except StopAsyncIteration:
+            return got
+        except EngineDied:
+            return got + ["died"]
 
-        async def generate(self, prompt, params, resume=None):
-            for step in steps:
-                yield step
-            if self.dies:
-                raise EngineDied("gone")
-
-        def shutdown(self):
-            pass
-
-    settings = ChatSettings(checkpoint=checkpoint, device="cpu", max_rows=4, stream_interval=3)
-    model = ChatModel.func_or_class(settings, start_engine=lambda start, on_stats=None: Scripted())
-
-    async def messages():
-        return [[getattr(e, "token", "error") for e in batch] async for batch in model.generate(GenerateRequest(
-            Params(), messages=({"role": "user", "content": "hi"},)))]
-
-    assert run(messages()) == [[1], [2], [3], [4, 5, 6], [7, 8, 9], [10, None]]
-    # the engine dies with tokens held: they go out before the error
-    steps, model.engine.dies = steps[:5], True
-    assert run(messages()) == [[1], [2], [3], [4, 5, "error"]]
+    assert run(play(StreamHold(3), steps)) == [[1], [2], [3], [4, 5, 6], [7, 8, 9], [10, None]]
+    assert run(play(StreamHold(), steps)) == [[t] for t in range(1, 11)] + [[None]]
+    assert run(play(StreamHold(100, 0.02), steps, seconds_per_step=0.01)) == [[1], [2], [3], [4, 5], [6, 7], [8, 9],
+                                                                              [10, None]]
+    assert run(play(StreamHold(3), steps[:5], fail=EngineDied("gone"))) == [[1], [2], [3], [4, 5], "died"]
+    assert run(play(StreamHold(), steps, behind={4, 5, 6})) == [[1], [2], [3], [4], [5, 6, 7, 8], [9], [10],
+                                                                [None]]
+    with pytest.raises(ValueError):
+        StreamHold(0)
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")

@@ -2,7 +2,8 @@
 from core.chat import ChatPrompter
 import pytest
 
-from core.chat.protocol import SamplingDefaults, ShownLogprobs, ShownToken, TokenEvent
+from core.chat.protocol import Delta, SamplingDefaults, ShownLogprobs, ShownToken, TokenEvent
+from deployments.chat import deltas
 from deployments.openai_api import ChatCompletionRequest, Completion, TextCompletion, TextCompletionRequest, unsupported
 
 
@@ -12,8 +13,8 @@ def ev(text, segment="text", token=1, finish=None, closes=False, forced=False, c
     if lp is not None:
         shown = ShownToken(text, tuple(text.encode()), lp)
         entry = ShownLogprobs(shown, (shown,))
-    return TokenEvent("r", index, token, text, segment, forced, closes, finish, prompt, completion, cached,
-                      logprobs=entry)
+    return Delta(index, () if token is None else (token,), text, segment, closes, finish, prompt, completion, cached,
+                 None if entry is None else (entry,), None if entry is None else (0,))
 
 
 def test_calculator_parts_stream_and_complete():
@@ -114,8 +115,8 @@ def test_echo_with_logprobs_scores_the_prompt_first():
         c = TextCompletion("m", 2, prompts=1, logprobs=True, echo=["The cat sat"])
         chunks = c.first_chunks()
         assert chunks == []
-        first = TokenEvent("r", 0, 7, " on", prompt_tokens=4, completion_tokens=1,
-                           logprobs=shown(" on", -0.5, [(" on", -0.5)]), prompt_entries=entries)
+        first = Delta(0, (7,), " on", prompt_tokens=4, completion_tokens=1,
+                      logprobs=(shown(" on", -0.5, [(" on", -0.5)]),), logprob_offsets=(0,), prompt_entries=entries)
         for e in [first, ev(" a", index=1, lp=-0.7), ev("", token=None, finish="length", index=0, completion=1),
                   ev("", token=None, finish="length", index=1, completion=1)]:
             chunks += c.feed(e)
@@ -133,3 +134,52 @@ def test_echo_with_logprobs_scores_the_prompt_first():
     assert scored.to_params(SamplingDefaults()).prompt_logprobs == 1 and scored.to_params(SamplingDefaults()).max_tokens == 0
     assert TextCompletionRequest.model_validate({"prompt": "x", "logprobs": 2}).to_params(
         SamplingDefaults()).prompt_logprobs is None                              # no echo: the prompt is not scored
+
+
+def engine_events(tokenizer):
+    """A made-up run of engine events over two choices: text with a token that shows nothing yet, a calculator
+    call and its forced result, logprobs, a finish carrying held text."""
+    t = tokenizer.encode_special
+    ids = tokenizer.encode(" so")
+
+    def e(index, token, text, segment="text", closes=False, finish=None, forced=False, completion=1):
+        lp = None if forced or token is None else -0.1 * (completion + 1)
+        return TokenEvent("r", index, token, text, segment, forced, closes, finish, 7, completion, 2, lp,
+                          None if lp is None else [(token, lp), (3, -4.0)])
+    return [e(0, 65, "It", completion=1), e(1, 66, "B", completion=1), e(0, 67, "", completion=2),
+            e(0, 68, " is é", completion=3), e(0, t("<|python_start|>"), "", completion=4),
+            e(1, 69, "ye", completion=2), e(0, 70, "6*7", "python", completion=5),
+            e(0, t("<|python_end|>"), "", "python", closes=True, completion=6),
+            e(0, t("<|output_start|>"), "", forced=True, completion=7),
+            e(0, 71, "42", "python_output", forced=True, completion=8),
+            e(0, t("<|output_end|>"), "", "python_output", closes=True, forced=True, completion=9),
+            e(0, ids[0], " so", completion=10), e(1, None, "s!", finish="stop", completion=2),
+            e(0, None, "", finish="length", completion=10)]
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_merged_deltas_give_what_one_record_per_event_gives(tokenizer, kind):
+    """However a stream's events are grouped into messages (one per event, or all in one), the client gets the
+    same content, parts, logprobs (with their text offsets) and usage; merged, it gets fewer chunks."""
+    events = engine_events(tokenizer)
+
+    def shaped(messages):
+        c = (Completion("m", 2, logprobs=True) if kind == "chat"
+             else TextCompletion("m", 2, logprobs=True, echo=["Q: "]))
+        chunks = [ch for m in messages for d in deltas(tokenizer, m) for ch in c.feed(d)]
+        body = c.response()
+        body.pop("id"), body.pop("created")
+        return body, chunks
+
+    apart, chunks_apart = shaped([[ev] for ev in events])
+    together, chunks_together = shaped([events])
+    assert apart == together
+    assert len(chunks_together) < len(chunks_apart)
+    key = "delta" if kind == "chat" else None
+    content = lambda chunks, i: "".join((ch["choices"][0][key].get("content") or "") if key else  # noqa: E731
+                                        ch["choices"][0]["text"] for ch in chunks if ch["choices"][0]["index"] == i)
+    for i in (0, 1):
+        assert content(chunks_apart, i) == content(chunks_together, i)
+    if kind == "text":
+        offsets = together["choices"][0]["logprobs"]["text_offset"]
+        assert offsets == [3, 5, 5, 10, 10, 10, 10]  # after "Q: ", per token; a calculator call adds none

@@ -27,7 +27,6 @@ MESSAGES = [
     P.Start("/ckpt", "cpu", P.EngineConfig(max_rows=3, cpu_policy="idle"), (1, 2, 3)),
     P.Add("r1", [1, 2, 3], PARAMS, (4, 5)), P.Abort("r1"), P.Stop(),
     P.Ready("cpu", 123, 2, "idle"), P.Failed("Traceback ..."),
-    P.Events([EVENT, P.TokenEvent("r1", 1, None, "", finish_reason="length")]),
     P.Stats(P.EngineStats(1, 2, 3, 4, 5, 6, 7, 8, 9, 10)),
     P.GenerateRequest(PARAMS, messages=({"role": "user", "content": "hi"},), resume=(7, 8)),
     P.GenerateRequest(PARAMS, prompts=("text", (1, 2, 3))), P.StreamError("full", "overloaded_error", "n", "c"),
@@ -45,6 +44,19 @@ def test_every_message_survives_the_socket(msg):
         left.close()
         right.close()
     assert got == msg and type(got) is type(msg)
+
+
+def test_msgpack_records_survive_their_encoding():
+    """The two msgpack paths: a step's events on the engine socket, a stream's message to the Ingress."""
+    events = [EVENT, P.TokenEvent("r1", 1, None, "", finish_reason="length",
+                                  prompt_logprobs=[(1, None, None), (2, -1.0, [(2, -1.0), (3, -2.5)])])]
+    got = P.decode_events(P.encode_events(events))
+    assert got == events and all(type(e) is P.TokenEvent for e in got)
+    message = [P.Delta(2, (17, 18), "hi!", "text", False, "stop", 12, 9, 4, (EVENT.logprobs,) * 2, None),
+               P.Delta(0, (5,), "1+1", "python", True), P.StreamError("full", "overloaded_error", "n", "c")]
+    assert P.decode_message(P.encode_message(message)) == message
+    with pytest.raises(Exception):
+        P.decode_message(P.encode_events(events))        # records of one path are not read as the other's
 
 
 def test_errors_keep_their_fields_and_rejections_their_error():

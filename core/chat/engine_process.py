@@ -8,10 +8,11 @@ runs `LLMEngine` in a child process of its own, as vLLM's engine core does, and 
 socket pair (core/child.py):
 
     parent -> child   Start once, then Add | Abort | Stop
-    child -> parent   Ready | Failed once, then Events | Rejected | Stats
+    child -> parent   Ready | Failed once, then events | Rejected | Stats
 
-(the records of protocol.py; each side matches on their types). One Events message carries every event of a
-step (the first tokens of new prompts go in an earlier one, before the step's decode pass). The child validates
+(the records of protocol.py; each side matches on their types). The events of a step travel as msgpack
+(protocol.encode_events: about a fifth of pickle's cost per event), everything else pickled. One events
+message carries every event of a step (the first tokens of new prompts go in an earlier one, before the step's decode pass). The child validates
 requests (a refusal comes back as Rejected and is raised from the caller's `generate`), sends its stats while
 it has work, and exits on Stop or when the socket closes: if the parent dies, so does the engine. The parent
 stops the child by its pid.
@@ -27,9 +28,9 @@ import traceback
 from multiprocessing.connection import Connection
 
 from ..child import Child, child_main
-from .async_engine import STATS_PERIOD_S, AsyncEngine, EngineClient
-from .protocol import (Abort, Add, EngineDied, EngineError, EngineFull, EngineStats, Events, Failed,
-                       Ready, Rejected, SamplingError, SamplingParams, Start, Stats, Stop)
+from .async_engine import STATS_PERIOD_S, AsyncEngine, EngineClient, StreamHold
+from .protocol import (Abort, Add, EngineDied, EngineError, EngineFull, EngineStats, Failed, Ready, Rejected,
+                       SamplingError, SamplingParams, Start, Stats, Stop, decode_events, encode_events)
 
 logger = logging.getLogger(__name__)
 
@@ -90,17 +91,17 @@ def set_cpu_policy(policy: str) -> str:
     return "idle"
 
 
-def start_engine(start: Start, on_stats=None) -> EngineClient:
+def start_engine(start: Start, on_stats=None, hold: StreamHold | None = None) -> EngineClient:
     """The engine `start` describes, behind its client: in a child process (ProcessEngine) or, with
-    `config.process` off, on a thread of this process (AsyncEngine)."""
+    `config.process` off, on a thread of this process (AsyncEngine). `hold`: when the client wakes a stream."""
     if start.config.process:
-        return ProcessEngine(start, on_stats=on_stats)
-    return AsyncEngine(build_engine(start), on_stats=on_stats)
+        return ProcessEngine(start, on_stats=on_stats, hold=hold)
+    return AsyncEngine(build_engine(start), on_stats=on_stats, hold=hold)
 
 
 class ProcessEngine(EngineClient):
-    def __init__(self, start: Start, on_stats=None, start_timeout_s: float = 600.0):
-        super().__init__(on_stats)
+    def __init__(self, start: Start, on_stats=None, start_timeout_s: float = 600.0, hold: StreamHold | None = None):
+        super().__init__(on_stats, hold)
         self.start = start
         self.max_rows = start.config.max_rows
         self._stats = EngineStats(0, 0, 0, start.config.max_rows, 0, 0)
@@ -117,10 +118,10 @@ class ProcessEngine(EngineClient):
     def _read(self) -> None:
         """The reader thread: blocks on the socket (without the GIL) and routes what the child sends."""
         try:
-            for msg in self.child.records(logger):
+            for msg in self.child.records(logger, raw=decode_events):
                 match msg:
-                    case Events(events):
-                        self._deliver(events)
+                    case list():                            # one step's events (msgpack, see serve_engine)
+                        self._deliver(msg)
                     case Rejected(rid, error):
                         self._fail([rid], error)
                     case Stats(stats):
@@ -167,7 +168,7 @@ def serve_engine(conn: Connection) -> None:
     conn.send(Ready(str(engine.device), os.getpid(), torch_threads(), policy))
 
     def emit(events) -> None:
-        conn.send(Events(events))
+        conn.send_bytes(encode_events(events))     # msgpack: a few times cheaper than pickling the events
 
     stats_at = 0.0
     while True:

@@ -166,7 +166,7 @@ class GenerateRequest(msgspec.Struct, frozen=True):
 
 
 # ---- what comes back
-class ShownToken(msgspec.Struct, frozen=True):
+class ShownToken(msgspec.Struct, frozen=True, array_like=True):
     """A token as OpenAI's logprobs show it: its text, its UTF-8 bytes, its log-probability (None only for a
     prompt's first token, which nothing predicts)."""
 
@@ -175,7 +175,7 @@ class ShownToken(msgspec.Struct, frozen=True):
     logprob: float | None
 
 
-class ShownLogprobs(msgspec.Struct, frozen=True):
+class ShownLogprobs(msgspec.Struct, frozen=True, array_like=True):
     """A sampled token's entry: the token itself and the most probable tokens at its position."""
 
     chosen: ShownToken
@@ -186,7 +186,7 @@ Segment = Literal["text", "python", "python_output"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-class TokenEvent(msgspec.Struct, frozen=True):
+class TokenEvent(msgspec.Struct, frozen=True, array_like=True):
     """One token of one sample, or the end of a sample (`finish_reason` set, `token` None)."""
 
     request_id: str
@@ -214,13 +214,62 @@ class TokenEvent(msgspec.Struct, frozen=True):
         return self.closes or bool(self.text and self.segment == "text")
 
 
-class StreamError(msgspec.Struct, frozen=True):
+class StreamError(msgspec.Struct, frozen=True, array_like=True, tag_field="record", tag="error"):
     """A generation that failed in a way the client must be told: OpenAI's error fields."""
 
     message: str
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+
+
+class Delta(msgspec.Struct, frozen=True, array_like=True, tag_field="record", tag="delta"):
+    """What one sample produced since its stream's last message, as the chat deployment hands it to the Ingress:
+    consecutive tokens of one segment in one record (their ids, their text joined, their logprobs as clients
+    see them). A token that closes a calculator part, or the sample's end, ends its record."""
+
+    index: int                      # the choice: prompt * n + sample
+    tokens: tuple[int, ...] = ()    # the token ids (forced ones included), for a continuation (resume)
+    text: str = ""
+    segment: Segment = "text"
+    closes: bool = False            # the last token ends its calculator part
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0      # the sample's tokens so far, this record's included
+    cached_tokens: int = 0
+    logprobs: tuple[ShownLogprobs, ...] | None = None   # one per sampled token that has them
+    logprob_offsets: tuple[int, ...] | None = None      # where each of those tokens' text starts in `text`
+    prompt_entries: tuple[ShownLogprobs, ...] | None = None
+
+    @property
+    def shows_output(self) -> bool:
+        return self.closes or bool(self.text and self.segment == "text")
+
+
+# One message of a chat stream, chat deployment -> Ingress: msgpack bytes of [Delta | StreamError, ...] (Ray
+# pickles bytes for nothing; msgspec writes and reads the records several times faster than pickle). One step's
+# events on the engine socket, engine process -> its client: msgpack bytes of [TokenEvent, ...] (every other
+# record there is pickled; a pickle starts with 0x80, a msgpack array never does). Functions, not the codecs'
+# bound methods: Ray pickles the deployments that call them, and codecs do not pickle.
+_ENCODER = msgspec.msgpack.Encoder()
+_MESSAGE = msgspec.msgpack.Decoder(list[Delta | StreamError])
+_EVENTS = msgspec.msgpack.Decoder(list[TokenEvent])
+
+
+def encode_message(records: list) -> bytes:
+    return _ENCODER.encode(records)
+
+
+def decode_message(data: bytes) -> list:
+    return _MESSAGE.decode(data)
+
+
+def encode_events(events: list[TokenEvent]) -> bytes:
+    return _ENCODER.encode(events)
+
+
+def decode_events(data: bytes) -> list[TokenEvent]:
+    return _EVENTS.decode(data)
 
 
 class EngineStats(msgspec.Struct, frozen=True):
@@ -310,12 +359,6 @@ class Failed(msgspec.Struct, frozen=True):
     """child -> parent, once, instead of Ready: the build failed (its traceback)."""
 
     message: str
-
-
-class Events(msgspec.Struct, frozen=True):
-    """Every event of one engine step (the first tokens of new prompts go in an earlier one, before the decode)."""
-
-    events: list[TokenEvent]
 
 
 class Rejected(msgspec.Struct, frozen=True):

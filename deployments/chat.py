@@ -237,7 +237,7 @@ class ChatModel:
         s = self.engine.stats()
         return {"replica": serve.get_replica_context().replica_tag, "running": s.running, "waiting": s.waiting,
                 "rows_used": s.rows_used, "rows_total": s.rows_total, "kv_cache_usage": s.cache_usage,
-                "engine": type(self.engine).__name__,
+                "engine": type(self.engine).__name__, "engine_kind": self.settings.engine.kind,
                 "prefix_cache": {"query_tokens": s.prefix_query_tokens, "hit_tokens": s.prefix_hit_tokens,
                                  "cached_rows": s.cached_rows, "cached_tokens": s.cached_prefix_tokens}}
 

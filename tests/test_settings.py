@@ -42,17 +42,18 @@ def test_chat_values_reach_the_engine(name):
     class Recorder:
         max_rows = 0
 
-        def __init__(self, start, on_stats=None):
-            started.append(start)
+        def __init__(self, start, on_stats=None, hold=None):
+            started.append((start, hold))
 
         def shutdown(self):
             pass
 
     demo = settings.model_copy(update={"checkpoint": os.path.join(DEMO, "demo-chat"), "device": "cpu"})
     model = ChatModel.func_or_class(demo, start_engine=Recorder)
-    (start,) = started
+    ((start, hold),) = started
     d = EngineConfig()
-    assert model.settings.stream_interval == expect(args, "chat_stream_interval", 1)
+    assert model.settings.stream_interval == hold.tokens == expect(args, "chat_stream_interval", 1)
+    assert hold.seconds == expect(args, "chat_stream_interval_s", 0.0)
     config = start.config
     assert config.process == expect(args, "chat_engine_process", d.process)
     assert config.torch_threads == expect(args, "chat_torch_threads", d.torch_threads)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.path_profile import TICK, cpu_ticks, hottest, name_of, session_pids
-from bench.sse import Connection
+from bench.sse import Connection, HTTPStatusError
 from bench.vllm_peer import ROOT, app_overrides, start_ours
 
 CHECKPOINT = ROOT / "models" / "demo-chat"
@@ -112,7 +112,7 @@ async def one(conn: Connection, path: str, payload: dict) -> tuple[int, float]:
 
 async def load(url: str, sc: Scenario, seconds: float) -> dict:
     clients = sc.streams // sc.n
-    tokens, ttfts, requests = 0, [], 0
+    tokens, ttfts, requests, refused = 0, [], 0, {}
     deadline = time.perf_counter() + seconds
 
     async def client(c: int) -> None:
@@ -121,7 +121,12 @@ async def load(url: str, sc: Scenario, seconds: float) -> dict:
         k = 0
         try:
             while time.perf_counter() < deadline:
-                n, ttft = await one(conn, *body(sc, c * 100_000 + k))
+                try:
+                    n, ttft = await one(conn, *body(sc, c * 100_000 + k))
+                except HTTPStatusError as e:         # counted and retried shortly: the run reports them
+                    refused[e.status] = refused.get(e.status, 0) + 1
+                    await asyncio.sleep(0.05)
+                    continue
                 tokens, requests, k = tokens + n, requests + 1, k + 1
                 ttfts.append(ttft)
         finally:
@@ -131,7 +136,7 @@ async def load(url: str, sc: Scenario, seconds: float) -> dict:
     await asyncio.gather(*(client(c) for c in range(clients)))
     wall = time.perf_counter() - t0
     ttfts.sort()
-    return {"tokens": tokens, "requests": requests, "wall_s": wall, "tokens_per_s": tokens / wall,
+    return {"tokens": tokens, "requests": requests, "refused": refused, "wall_s": wall, "tokens_per_s": tokens / wall,
             "ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2] if ttfts else None}
 
 
@@ -221,7 +226,8 @@ def main() -> None:
             for sc in (sc for sc in chosen if sc.setting == setting):
                 results[sc.name] = measure(server, sc, args.seconds)
                 print(f"{sc.name}: {results[sc.name]['tokens_per_s']:.0f} tokens/s, serving "
-                      f"{results[sc.name]['serving_us']:.1f} us/token", flush=True)
+                      f"{results[sc.name]['serving_us']:.1f} us/token, refused {results[sc.name]['refused']}",
+                      flush=True)
                 if args.py_spy:
                     results[sc.name]["py_spy"] = profile(server, sc, args.py_spy, args.profile_seconds)
         finally:

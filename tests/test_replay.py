@@ -1,6 +1,5 @@
 """The replay engine (chat_engine: replay): no model, real tokens, the engine's scheduling and output side."""
 import asyncio
-import time
 
 import pytest
 
@@ -101,14 +100,32 @@ def test_refuses_what_needs_a_model_and_aborts(replay):
     assert out["x"][-1].finish_reason == "abort" and not replay.has_work()
 
 
-def test_steps_are_paced(tokenizer):
-    """The step time is the engine's sleep between steps (what the benchmark sets); no timing asserted beyond
-    the steps not running early: 20 steps of 5 ms take at least 95 ms."""
+def test_steps_are_paced(tokenizer, monkeypatch):
+    """The step time is a sleep before each step, on the engine's clock (a fake one here, so nothing is timed):
+    back-to-back steps sleep out the rest of the step, and a late step runs at once without making the next
+    one early."""
+    class Clock:
+        now, slept = 1000.0, []
+
+        def monotonic(self):
+            return self.now
+
+        def sleep(self, seconds):
+            self.slept.append(round(seconds, 6))
+            self.now += seconds
+
+    clock = Clock()
+    monkeypatch.setattr("core.chat.replay.time", clock)
     engine = ReplayEngine(tokenizer, SEQ, tokenizer.vocab_size, EngineConfig(kind="replay", replay_step_s=0.005))
     engine.add_request([1], SamplingParams(max_tokens=20), "p")
-    t0 = time.monotonic()
-    _, steps = drain(engine)
-    assert steps == 20 and time.monotonic() - t0 >= 0.095
+    for _ in range(3):
+        engine.step()
+    clock.now += 0.001                        # work between steps shortens the next sleep
+    engine.step()
+    clock.now += 0.050                        # a late step: no sleep, and the next is a full step later
+    engine.step()
+    engine.step()
+    assert clock.slept == [0.005, 0.005, 0.004, 0.005]
 
 
 def test_settings_select_the_replay_engine():

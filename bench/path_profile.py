@@ -70,7 +70,8 @@ def cpu_ticks(pids: list[int]) -> dict[int, int]:
     return out
 
 
-def hottest(py_spy: str, pid: int, seconds: int, top: int = 15, gil: bool = False) -> tuple[float, list[tuple[str, float, float]]]:
+def hottest(py_spy: str, pid: int, seconds: int, top: int = 15,
+            gil: bool = False) -> tuple[float, list[tuple[str, float, float]]]:
     """py-spy's samples of `pid`'s threads (idle ones left out) for `seconds` -> (samples per second,
     the functions with the most samples: (function, share as the innermost Python frame, share anywhere on the
     stack)). `gil`: only the thread holding the GIL is sampled (where the process's Python time goes)."""

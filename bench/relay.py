@@ -194,7 +194,8 @@ def service_args(setting: Setting, extra: dict) -> tuple[dict, dict]:
 def table(results: dict) -> str:
     head = (f"{'scenario':26}{'tok/s':>9}{'TTFT ms':>9}" + "".join(f"{LABELS[n]:>9}" for n in SHOWN)
             + f"{'rest':>8}{'serving':>9}{'client':>8}")
-    lines = [head, "  (CPU microseconds per token; chat = chat replica with the engine client, engine = engine process)"]
+    lines = [head, "  (CPU microseconds per token; chat = chat replica with the engine client, "
+                   "engine = engine process)"]
     for name, r in results.items():
         us = r["us_per_token"]
         rest = sum(v for k, v in us.items() if k not in SHOWN)

@@ -2,8 +2,8 @@
 
 Many streams share the replica's engine (nanochat's old server and seed 001 served one request at a
 time under a lock). `generate` is a streaming method: the Ingress calls it through a streaming handle with a
-`GenerateRequest` and gets messages of `Delta`s, msgpack-encoded (core/chat/protocol.py). If the caller goes away, the
-generator is closed or cancelled and the engine aborts the request, freeing its cache rows at the next step.
+`GenerateRequest` and gets messages of `Delta`s, msgpack-encoded (core/chat/protocol.py). If the caller goes
+away, the generator is closed or cancelled and the engine aborts the request, freeing its cache rows at the next step.
 By default the engine steps in a child process of the replica (core/chat/engine_process.py), so the model and
 the replica's event loop never wait on each other's GIL; `chat_engine_process: false` keeps it on a thread.
 

@@ -50,13 +50,13 @@ class RetryPolicy:
 
 
 class ChatStream:
-    """The records of one generation on the chat replicas, a list (Delta | StreamError) per message. When the replica streaming it is lost mid-way,
-    the generation goes on on another one from the tokens received so far (the request's `resume`: the new
-    replica prefills them after the prompt and replays their tool, text and sampler state), retried as `retry`
-    says: the reader sees one uninterrupted stream, and a greedy or seeded generation gives the tokens an
-    unbroken run would have. Only a generation of one prompt and one sample continues (the engine resumes one
-    sample's state); another ends with the error, as does one whose retries run out. `on_continue()` is called
-    each time the stream moves."""
+    """The records of one generation on the chat replicas, a list (Delta | StreamError) per message. When the replica
+    streaming it is lost mid-way, the generation goes on on another one from the tokens received so far (the
+    request's `resume`: the new replica prefills them after the prompt and replays their tool, text and sampler
+    state), retried as `retry` says: the reader sees one uninterrupted stream, and a greedy or seeded generation
+    gives the tokens an unbroken run would have. Only a generation of one prompt and one sample continues (the
+    engine resumes one sample's state); another ends with the error, as does one whose retries run out.
+    `on_continue()` is called each time the stream moves."""
 
     def __init__(self, handle: DeploymentHandle, request: GenerateRequest, retry: RetryPolicy, resumable: bool,
                  on_continue: Callable[[], None] | None = None):

@@ -9,8 +9,8 @@ Either way the event loop only enqueues requests and reads events. The thread th
 sorts them by request and hands each stream its share with one `call_soon_threadsafe` per loop; a stream's
 reader wakes once for whatever is ready (the first tokens of new prompts leave before the step's decode
 pass), and `StreamHold` can hold a stream's tokens for a few steps so that the hops after it carry fewer,
-larger messages. Leaving the `generate` iterator early (client disconnect, cancellation, timeout) aborts the request,
-and its cache rows are freed at the engine's next step.
+larger messages. Leaving the `generate` iterator early (client disconnect, cancellation, timeout) aborts the
+request, and its cache rows are freed at the engine's next step.
 """
 from __future__ import annotations
 

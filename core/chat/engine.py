@@ -33,9 +33,9 @@ from .kv_cache import CacheBatch, KVCache
 from .logits import LogitProcessor, LogprobResult, logprobs
 from .model import ChatNetwork
 from .outputs import OutputProcessor
-from .protocol import EngineConfig, EngineError, EngineStats, SamplingError, SamplingParams, TokenEvent
-from .sampler import row_rng, sample
-from .scheduler import Request, Sample, Scheduler
+from .protocol import EngineConfig, EngineStats, SamplingParams, TokenEvent
+from .sampler import sample
+from .scheduler import Request, Sample, Scheduler, check_request, check_resume, row_rng
 from .tokenizer import ChatTokenizer
 
 logger = logging.getLogger(__name__)
@@ -80,19 +80,9 @@ class LLMEngine:
                     resume: list[int] | None = None) -> str:
         """Queue a request; -> its id. resume: the tokens an earlier run of this prompt and these parameters had
         generated; the request continues that run (events for the new tokens only; token counts include them)."""
-        if not prompt:
-            raise EngineError("the prompt is empty")
-        if len(prompt) >= self.sequence_len:
-            raise EngineError(f"the prompt has {len(prompt)} tokens; the model's context is {self.sequence_len}")
-        if params.n > self.max_rows:
-            raise EngineError(f"n={params.n} exceeds the {self.max_rows} sequences this engine runs at once")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise EngineError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            raise SamplingError(f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")
-        max_new = min(params.max_tokens, self.sequence_len - len(prompt))
+        max_new = check_request(prompt, params, self.sequence_len, self.vocab_size, self.max_rows)
         if resume:
-            self._check_resume(resume, params, max_new)
+            check_resume(resume, params, max_new, self.vocab_size, self.outputs.stop_tokens)
             if params.prompt_logprobs is not None:       # the run it continues delivered them
                 params = msgspec.structs.replace(params, prompt_logprobs=None)
         rid = request_id or f"req-{next(_ids)}"
@@ -102,17 +92,6 @@ class LLMEngine:
                 s.matcher = m
         self.scheduler.add(Request(rid, list(prompt), params, max_new, samples, list(resume or [])))
         return rid
-
-    def _check_resume(self, resume: list[int], params: SamplingParams, max_new: int) -> None:
-        if params.n != 1:
-            raise EngineError("only a request with n=1 can continue an earlier generation")
-        if len(resume) >= max_new:
-            raise EngineError(f"the generation continued from has {len(resume)} tokens; nothing is left of the "
-                              f"{max_new} it may have")
-        if min(resume) < 0 or max(resume) >= self.vocab_size:
-            raise EngineError("continued token ids must be in the vocabulary")
-        if not params.ignore_eos and self.outputs.stop_tokens & set(resume):
-            raise EngineError("the generation continued from has already ended")
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its rows are freed at the next step."""

@@ -241,10 +241,6 @@ class Delta(msgspec.Struct, frozen=True, array_like=True, tag_field="record", ta
     logprob_offsets: tuple[int, ...] | None = None      # where each of those tokens' text starts in `text`
     prompt_entries: tuple[ShownLogprobs, ...] | None = None
 
-    @property
-    def shows_output(self) -> bool:
-        return self.closes or bool(self.text and self.segment == "text")
-
 
 # One message of a chat stream, chat deployment -> Ingress: msgpack bytes of [Delta | StreamError, ...] (Ray
 # pickles bytes for nothing; msgspec writes and reads the records several times faster than pickle). One step's

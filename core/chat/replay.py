@@ -17,7 +17,6 @@ refuses what needs a model: structured outputs (tools that must be called, respo
 from __future__ import annotations
 
 import itertools
-import random
 import time
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ import msgspec
 
 from .outputs import OutputProcessor
 from .protocol import EngineConfig, EngineError, EngineStats, SamplingParams, TokenEvent
-from .scheduler import Request, Sample, Scheduler
+from .scheduler import Request, Sample, Scheduler, check_request, check_resume, row_rng
 from .tokenizer import ChatTokenizer
 
 _ids = itertools.count()
@@ -71,22 +70,14 @@ class ReplayEngine:
     # ---- requests in and out (any thread)
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     resume: list[int] | None = None) -> str:
-        if not prompt:
-            raise EngineError("the prompt is empty")
-        if len(prompt) >= self.sequence_len:
-            raise EngineError(f"the prompt has {len(prompt)} tokens; the model's context is {self.sequence_len}")
-        if params.n > self.max_rows:
-            raise EngineError(f"n={params.n} exceeds the {self.max_rows} sequences this engine runs at once")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise EngineError(f"prompt token ids must be in [0, {self.vocab_size})")
         if params.grammar is not None:
             raise EngineError("the replay engine (chat_engine: replay, for benchmarks) has no model and cannot "
                               "follow a structured output (tools or response_format)")
-        max_new = min(params.max_tokens, self.sequence_len - len(prompt))
-        if resume and (params.n != 1 or len(resume) >= max_new):
-            raise EngineError("only a request with n=1 and tokens left can continue an earlier generation")
+        max_new = check_request(prompt, params, self.sequence_len, self.vocab_size, self.max_rows)
+        if resume:
+            check_resume(resume, params, max_new, self.vocab_size, self.outputs.stop_tokens)
         rid = request_id or f"replay-{next(_ids)}"
-        samples = [Sample(random.Random(), self.outputs.new_sample(i)) for i in range(params.n)]
+        samples = [Sample(row_rng(params.seed, i), self.outputs.new_sample(i)) for i in range(params.n)]
         self.scheduler.add(Request(rid, list(prompt), params, max_new, samples, list(resume or [])))
         return rid
 
@@ -140,10 +131,8 @@ class ReplayEngine:
         self.scheduler.start_running(req)
         p = req.params
         for s in req.samples:
-            seeded = random.Random(f"{p.seed}:{s.output.index}") if p.seed is not None else random.Random()
-            s.rng = seeded
             s.position = len(req.feed)
-            s.pending = seeded.randrange(len(self.text)) + len(req.resume)   # here: its place in the text
+            s.pending = s.rng.randrange(len(self.text)) + len(req.resume)   # here: its place in the text
         if req.resume:
             finish = self.outputs.replay(req, req.samples[0].output, req.resume)
             if finish is not None:

@@ -2,23 +2,15 @@
 
 Each row draws exactly one uniform number per token from its own `random.Random`, and the token is
 picked by inverse-CDF over the row's filtered distribution. A seeded request therefore samples the
-same tokens whether it runs alone or beside others: its draws never depend on the batch. All
+same tokens whether it runs alone or beside others: its draws never depend on the batch (its stream is
+scheduler.row_rng's). All
 per-token work on the vocabulary is a tensor op over the whole batch.
 """
 from __future__ import annotations
 
-import random
-
 import torch
 
 from .protocol import GREEDY_BELOW
-
-
-def row_rng(seed: int | None, sample_index: int) -> random.Random:
-    """The random stream of one sample: reproducible for a seed, fresh entropy otherwise."""
-    if seed is None:
-        return random.Random()
-    return random.Random(f"{seed}:{sample_index}")
 
 
 def sample(logits: torch.Tensor, temperature: list[float], top_k: list[int | None], top_p: list[float],

@@ -19,7 +19,45 @@ from dataclasses import dataclass, field
 
 from .outputs import SampleOutput
 from .prefix_index import RowPool
-from .protocol import EngineConfig, EngineFull, EngineError, SamplingParams
+from .protocol import EngineConfig, EngineFull, EngineError, SamplingError, SamplingParams
+
+
+def row_rng(seed: int | None, sample_index: int) -> random.Random:
+    """The random stream of one sample: reproducible for a seed, fresh entropy otherwise."""
+    if seed is None:
+        return random.Random()
+    return random.Random(f"{seed}:{sample_index}")
+
+
+def check_request(prompt: list[int], params: SamplingParams, sequence_len: int, vocab_size: int,
+                  max_rows: int) -> int:
+    """What an engine refuses in a new request (EngineError, SamplingError); -> the tokens it may generate
+    (max_tokens, cut to the context)."""
+    if not prompt:
+        raise EngineError("the prompt is empty")
+    if len(prompt) >= sequence_len:
+        raise EngineError(f"the prompt has {len(prompt)} tokens; the model's context is {sequence_len}")
+    if params.n > max_rows:
+        raise EngineError(f"n={params.n} exceeds the {max_rows} sequences this engine runs at once")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise EngineError(f"prompt token ids must be in [0, {vocab_size})")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise SamplingError(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
+    return min(params.max_tokens, sequence_len - len(prompt))
+
+
+def check_resume(resume: list[int], params: SamplingParams, max_new: int, vocab_size: int,
+                 stop_tokens: frozenset[int]) -> None:
+    """What an engine refuses in the tokens a request continues from."""
+    if params.n != 1:
+        raise EngineError("only a request with n=1 can continue an earlier generation")
+    if len(resume) >= max_new:
+        raise EngineError(f"the generation continued from has {len(resume)} tokens; nothing is left of the "
+                          f"{max_new} it may have")
+    if min(resume) < 0 or max(resume) >= vocab_size:
+        raise EngineError("continued token ids must be in the vocabulary")
+    if not params.ignore_eos and stop_tokens & set(resume):
+        raise EngineError("the generation continued from has already ended")
 
 
 @dataclass

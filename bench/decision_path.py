@@ -1,6 +1,7 @@
 """Decisions through the service against `decide_batch` offline, on the same requests.
 
-    python -m bench.decision_path [--rounds 2] [--clients 32] [--set KEY=VALUE ...] [--json out.json]
+    python -m bench.decision_path [--rounds 2] [--clients 32] [--set KEY=VALUE ...] [--profile]
+                                  [--py-spy /tmp/pyspy/bin/py-spy] [--json out.json]
 
 Two workloads: `cheap` (small states of a few dozen tokens, 3 questions each (choice, noul, score), and about
 half of the states sent before: the requests whose cost is mostly the path's) and `client` (bench.decision's
@@ -9,7 +10,10 @@ service as serve_config.cpu.yaml does (HAProxy in front; `--set` overrides an ap
 each workload from `--clients` closed-loop clients, stops it, then runs the same requests offline through a
 fresh scorer built with the service's decision settings, in batches of the deployment's batch size, with the
 machine to itself. A round's requests are new to both (seed per round), so both start with an empty prefix
-cache. Prints questions/s of each and the service's share of offline.
+cache. Prints questions/s of each and the service's share of offline. `--profile`: each process's CPU per
+request (from /proc) over the first round's service run of each workload; `--py-spy`: then the hottest
+functions of the Ingress, the decision replica and its scorer process under a further cheap load (GIL
+samples).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +32,7 @@ import yaml
 
 from bench.decision import client_workload, count_questions
 from bench.systemone import load
+from bench.path_profile import cpu_table, cpu_ticks, profile_processes, session_pids
 from bench.vllm_peer import ROOT, app_overrides, build_checkpoints, start_ours
 
 WORDS = "the a red blue green cat dog box door light room open closed small big left right near far".split()
@@ -89,6 +95,8 @@ def main() -> None:
                    help="an application argument over serve_config.cpu.yaml's (YAML value)")
     p.add_argument("--offline-threads", type=int, nargs="*", default=[1, 2],
                    help="torch thread counts to run offline besides the service's own")
+    p.add_argument("--profile", action="store_true", help="CPU per request of every process (first round)")
+    p.add_argument("--py-spy", help="py-spy's path: profile the decision path's Python processes (first round)")
     p.add_argument("--json")
     args = p.parse_args()
     from transformers import AutoTokenizer
@@ -110,8 +118,19 @@ def main() -> None:
             server.wait_ready()
             warm = cheap_workload(8, 99)
             asyncio.run(load(server.url, warm, 4))
+            pids = session_pids(server.proc.pid)
             for name, reqs in workloads.items():
+                before, t0 = cpu_ticks(pids), time.perf_counter()
                 service[name] = asyncio.run(load(server.url, reqs, args.clients))
+                if r == 0 and (args.profile or args.py_spy):
+                    print(f"round 1 {name}: CPU per request")
+                    rows.append({"round": 1, "workload": name, "cpu_s": cpu_table(
+                        before, cpu_ticks(pids), time.perf_counter() - t0, len(reqs), "ms / request")})
+            if r == 0 and args.py_spy:
+                more = cheap_workload(args.clients * args.cheap_per_client, 3000)
+                profile_processes(args.py_spy, pids, ("Ingress replica", "decision replica", "decision process"),
+                                  lambda: threading.Thread(target=asyncio.run, daemon=True,
+                                                           args=(load(server.url, more, args.clients),)), 5)
         finally:
             server.stop()
         own = app_args.get("decision_torch_threads")

@@ -6,8 +6,8 @@
                          [--checkpoint models/demo-chat] [--per-client 16] [--baseline-per-client 4]
                          [--json out.json] [--svg bench/http.svg]
 
-Chat with 1, 8 and 32 concurrent streams (time to first token and inter-token latency p50/p99, aggregate
-tokens/s), through port 8000 (--url: HAProxy with the README's command, Serve's Python proxy without
+Chat with 1, 8 and 32 concurrent streams (time to first token and inter-token latency p50/p99, time per
+output token p50, aggregate tokens/s), through port 8000 (--url: HAProxy with the README's command, Serve's Python proxy without
 RAY_SERVE_ENABLE_HA_PROXY) and, with --direct-url, straight to the Ingress replica's own HTTP server (the
 port HAProxy forwards to; `ss -ltnp` shows it, 30000 when it was free), on three
 workloads: `question` (a single question), `history` (six earlier exchanges, then a question) and
@@ -19,9 +19,11 @@ holds steady. Then `multiturn` (each client continues its own conversation for 8
 turn, as chat UIs do; `--multiturn-only` runs just this one, to compare services started with and without
 `chat_prefix_caching`), then decisions with 32 concurrent clients (questions/s, p50/p99), and the same chat runs
 against the baseline (one generation at a time under a lock, no KV cache; bench/baseline.py) started
-here on another port; it serves one request at a time, so its runs use fewer (`--baseline-per-client`). Streams count chunks that carry
-output (text, or a calculator call or result) on both sides, so the comparison is like for like. Chat
-streams go through bench/sse.py, a lean client (the load generator shares the CPU with the service);
+here on another port; it serves one request at a time, so its runs use fewer (`--baseline-per-client`).
+Tokens are the completion tokens of each stream's usage chunk (the service may put several tokens in one
+chunk; the baseline sends one per chunk and no usage, so its output chunks are counted); ITL is the time
+between chunks with output (text, or a calculator call or result), TPOT a stream's mean time per token after
+its first (vLLM's benchmark's definitions). Chat streams go through bench/sse.py, a lean client (the load generator shares the CPU with the service);
 the JSON output has this process's CPU per request for each run.
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ import time
 
 import httpx
 
-from bench.sse import Connection
+from bench.sse import Connection, StreamTally
 
 PROMPTS = ["hello", "What is the capital of France?", "What is 1234 times 56?", "Capital of Peru?"]
 
@@ -71,16 +73,11 @@ def pct(values, q):
 
 async def one_stream(conn, messages, seed, max_tokens, ignore_eos=False):
     body = {"messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 1.0, "seed": seed,
-            "ignore_eos": ignore_eos}
-    t0 = time.perf_counter()
-    times = []
+            "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
+    t0, tally = time.perf_counter(), StreamTally()
     async for line in conn.post_lines("/v1/chat/completions", body):
-        if line.startswith("data: ") and line != "data: [DONE]":
-            chunk = json.loads(line[6:])
-            delta = chunk["choices"][0]["delta"] if chunk.get("choices") else {}
-            if delta.get("content") or delta.get("parts"):     # text, or a calculator call or result
-                times.append(time.perf_counter())
-    return t0, times
+        tally.line(line)
+    return t0, tally
 
 
 async def chat_load(url, clients, max_tokens, per_client=4, turns=0, ignore_eos=False):
@@ -101,15 +98,17 @@ async def chat_load(url, clients, max_tokens, per_client=4, turns=0, ignore_eos=
     t0, cpu0 = time.perf_counter(), time.process_time()
     results = [r for rs in await asyncio.gather(*(client_loop(c) for c in range(clients))) for r in rs]
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    ttft = [times[0] - start for start, times in results if times]
-    itl = [b - a for _, times in results for a, b in zip(times, times[1:])]
-    tokens = sum(len(times) for _, times in results)
+    ttft = [t.times[0] - start for start, t in results if t.times]
+    itl = [b - a for _, t in results for a, b in zip(t.times, t.times[1:])]
+    tpot = [x for _, t in results if (x := t.tpot()) is not None]
+    tokens = sum(t.tokens for _, t in results)
     # the CPU this process spent per request: the load generator's own cost (plus the baseline server's,
     # which runs in this process)
     return {"streams": clients, "requests": len(results), "tokens": tokens, "seconds": wall,
             "tokens_per_s": tokens / wall, "process_cpu_ms_per_request": 1000 * cpu / len(results),
             "ttft_p50_ms": 1000 * pct(ttft, 0.5), "ttft_p99_ms": 1000 * pct(ttft, 0.99),
-            "itl_p50_ms": 1000 * pct(itl, 0.5) if itl else None, "itl_p99_ms": 1000 * pct(itl, 0.99) if itl else None}
+            "itl_p50_ms": 1000 * pct(itl, 0.5) if itl else None, "itl_p99_ms": 1000 * pct(itl, 0.99) if itl else None,
+            "tpot_p50_ms": 1000 * pct(tpot, 0.5) if tpot else None}
 
 
 async def decision_load(url, clients, per_client):
@@ -136,22 +135,21 @@ async def decision_load(url, clients, per_client):
 
 async def multiturn_stream(conn, messages, seed, max_tokens):
     """One streamed turn; -> (t0, output times, the reply as parts)."""
-    body = {"messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 1.0, "seed": seed}
-    t0, times, parts = time.perf_counter(), [], []
+    body = {"messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 1.0, "seed": seed,
+            "stream_options": {"include_usage": True}}
+    t0, tally, parts = time.perf_counter(), StreamTally(), []
     async for line in conn.post_lines("/v1/chat/completions", body):
+        tally.line(line)
         if line.startswith("data: ") and line != "data: [DONE]":
             chunk = json.loads(line[6:])
             delta = chunk["choices"][0]["delta"] if chunk.get("choices") else {}
             if delta.get("content"):
-                times.append(time.perf_counter())
                 if parts and parts[-1]["type"] == "text":
                     parts[-1]["text"] += delta["content"]
                 else:
                     parts.append({"type": "text", "text": delta["content"]})
-            for part in delta.get("parts") or []:
-                times.append(time.perf_counter())
-                parts.append(part)
-    return t0, times, parts
+            parts.extend(delta.get("parts") or [])
+    return t0, tally, parts
 
 
 async def multiturn_load(url, clients, turns, max_tokens, seed=11):
@@ -166,8 +164,8 @@ async def multiturn_load(url, clients, turns, max_tokens, seed=11):
             for turn in range(turns):
                 q, _, _ = (D.fact_turn if rng.random() < 0.5 else D.math_turn)(rng, follow=turn > 0)
                 history.append({"role": "user", "content": q})
-                t0, times, parts = await multiturn_stream(conn, history, c * turns + turn, max_tokens)
-                out.append((t0, times))
+                t0, tally, parts = await multiturn_stream(conn, history, c * turns + turn, max_tokens)
+                out.append((t0, tally))
                 text = "".join(p["text"] for p in parts if p["type"] == "text")
                 history.append({"role": "assistant", "content": text, "parts": parts})
         finally:
@@ -177,8 +175,8 @@ async def multiturn_load(url, clients, turns, max_tokens, seed=11):
     t0 = time.perf_counter()
     results = [r for rs in await asyncio.gather(*(client_loop(c) for c in range(clients))) for r in rs]
     wall = time.perf_counter() - t0
-    ttft = [times[0] - start for start, times in results if times]
-    tokens = sum(len(times) for _, times in results)
+    ttft = [t.times[0] - start for start, t in results if t.times]
+    tokens = sum(t.tokens for _, t in results)
     return {"streams": clients, "requests": len(results), "tokens": tokens, "seconds": wall,
             "tokens_per_s": tokens / wall, "ttft_p50_ms": 1000 * pct(ttft, 0.5), "ttft_p99_ms": 1000 * pct(ttft, 0.99)}
 
@@ -259,7 +257,7 @@ def run_chat(url, max_tokens, per_client, streams):
 def row(name, workload, n, r):
     cell = lambda v: f"{v:9.1f}" if v is not None else f"{'-':>9}"   # noqa: E731
     return (f"{name:10}{workload:10}{n:8d}{r['tokens_per_s']:9.1f}{r['ttft_p50_ms']:10.1f}{r['ttft_p99_ms']:10.1f}"
-            f"{cell(r['itl_p50_ms'])}{cell(r['itl_p99_ms'])}")
+            f"{cell(r['itl_p50_ms'])}{cell(r['itl_p99_ms'])}{cell(r.get('tpot_p50_ms'))}")
 
 
 def main():
@@ -317,7 +315,7 @@ def main():
     result["ttft_32_over_1"] = {f"{name} {w}": r[w][32]["ttft_p50_ms"] / r[w][1]["ttft_p50_ms"]
                                 for name, r in runs.items() for w in WORKLOADS}
     print(f"{'chat':10}{'workload':10}{'streams':>8}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
-          f"{'ITL p99':>9}")
+          f"{'ITL p99':>9}{'TPOT p50':>9}")
     for name, r in (runs | {"baseline": baseline}).items():
         for w in WORKLOADS:
             for n, one in r[w].items():

@@ -16,9 +16,9 @@ tokens/s of the requests whose time to first token and mean time per output toke
 default, is bench/sse.py's minimal client, which costs the shared CPU less); `--no-stream` asks for whole
 responses, whose time to first token is the whole request and whose SLO is met when it ends within
 ttft + tpot x tokens. `--session` (the pid of a `serve run` started with setsid) adds each process's CPU
-seconds in each run, the load generator's own among them. Goodput counts the chunks that carry output when
-streamed (a token that completes no character carries none) and `usage.completion_tokens` when not, so compare
-a mode only with itself.
+seconds in each run, the load generator's own among them. Goodput counts `usage.completion_tokens` (a
+stream's usage chunk, which may report tokens that completed no character); a stream's time per output token
+is the time from its first output chunk to its last over its tokens after the first.
 """
 from __future__ import annotations
 
@@ -34,17 +34,7 @@ import httpx
 
 from bench.http import PROMPTS
 from bench.path_profile import TICK, cpu_ticks, name_of, session_pids
-from bench.sse import Connection, HTTPStatusError
-
-
-def output_times(lines, times: list) -> None:
-    """Record when each SSE chunk that carries output (text, or a calculator part) arrived."""
-    for line in lines:
-        if line.startswith("data: ") and line != "data: [DONE]":
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and (chunk["choices"][0]["delta"].get("content")
-                                         or chunk["choices"][0]["delta"].get("parts")):
-                times.append(time.perf_counter())
+from bench.sse import Connection, HTTPStatusError, StreamTally
 
 
 class Refused(Exception):
@@ -59,19 +49,21 @@ class LeanClient:
         self.conn = Connection(url)
 
     async def send(self, body) -> tuple[list[float], int]:
-        """-> (arrival times of the chunks with output, completion tokens when not streamed)."""
-        times, lines = [], []
+        """-> (arrival times of the chunks with output, completion tokens)."""
+        tally, lines = StreamTally(), []
         try:
             async for line in self.conn.post_lines("/v1/chat/completions", body):
                 if body["stream"]:
-                    output_times([line], times)
+                    tally.line(line)
                 else:
                     lines.append(line)
         except HTTPStatusError as e:
             if e.status != 503:
                 raise
             raise Refused(float(e.headers.get("retry-after", 1))) from None
-        return times, (0 if body["stream"] else json.loads("".join(lines))["usage"]["completion_tokens"])
+        if body["stream"]:
+            return tally.times, tally.tokens
+        return [], json.loads("".join(lines))["usage"]["completion_tokens"]
 
     async def close(self):
         self.conn.close()
@@ -84,21 +76,21 @@ class PlainClient:
         self.client = httpx.AsyncClient(base_url=url, timeout=600)
 
     async def send(self, body) -> tuple[list[float], int]:
-        times = []
         if not body["stream"]:
             r = await self.client.post("/v1/chat/completions", json=body)
             if r.status_code == 503:
                 raise Refused(float(r.headers.get("retry-after", 1)))
             r.raise_for_status()
-            return times, r.json()["usage"]["completion_tokens"]
+            return [], r.json()["usage"]["completion_tokens"]
+        tally = StreamTally()
         async with self.client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code == 503:
                 await r.aread()
                 raise Refused(float(r.headers.get("retry-after", 1)))
             r.raise_for_status()
             async for line in r.aiter_lines():
-                output_times([line], times)
-        return times, 0
+                tally.line(line)
+        return tally.times, tally.tokens
 
     async def close(self):
         await self.client.aclose()
@@ -112,7 +104,8 @@ async def client_loop(conn, deadline, max_tokens, mode, seed, out, stream=True):
     try:
         while time.perf_counter() < deadline:
             body = {"messages": [{"role": "user", "content": PROMPTS[(seed + i) % len(PROMPTS)]}],
-                    "max_tokens": max_tokens, "stream": stream, "temperature": 1.0, "seed": seed * 10_000 + i}
+                    "max_tokens": max_tokens, "stream": stream, "temperature": 1.0, "seed": seed * 10_000 + i,
+                    **({"stream_options": {"include_usage": True}} if stream else {})}
             i += 1
             t0 = time.perf_counter()
             try:
@@ -126,7 +119,7 @@ async def client_loop(conn, deadline, max_tokens, mode, seed, out, stream=True):
             if end > deadline:
                 continue
             if stream and times:
-                out["done"].append((times[0] - t0, (times[-1] - times[0]) / max(1, len(times) - 1), len(times)))
+                out["done"].append((times[0] - t0, (times[-1] - times[0]) / max(1, tokens - 1), tokens))
             elif not stream and tokens:
                 out["done"].append((end - t0, None, tokens))
     finally:

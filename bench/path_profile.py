@@ -94,6 +94,42 @@ def hottest(py_spy: str, pid: int, seconds: int, top: int = 15,
     return total / seconds, [(k, v / total, anywhere[k] / total) for k, v in own.most_common(top)]
 
 
+def cpu_table(before: dict[int, int], after: dict[int, int], wall: float, units: float, label: str) -> dict:
+    """Print and return each process's CPU seconds between two cpu_ticks readings (summed by name), with its
+    CPU milliseconds per unit of work (`units` of them in the window) and its share of the machine."""
+    per = collections.defaultdict(float)
+    for pid, t in after.items():
+        per[name_of(pid)] += (t - before.get(pid, t)) / TICK
+    print(f"{'process':26}{'CPU s':>8}{label:>18}{'of the machine':>16}")
+    rows = dict(sorted(per.items(), key=lambda kv: -kv[1]))
+    for name, cpu in rows.items():
+        print(f"{name:26}{cpu:8.2f}{1000 * cpu / units:18.2f}{100 * cpu / (wall * os.cpu_count()):15.1f}%")
+    return rows
+
+
+def profile_processes(py_spy: str, pids: list[int], names: tuple[str, ...], loaded, seconds: int, top: int = 15,
+                      gil: bool = False, label: str = "") -> dict:
+    """py-spy's hottest functions of the first process of each of `names` among `pids`, each sampled for
+    `seconds` while a fresh load runs: `loaded()` returns the load as a thread not yet started (`top`, `gil`:
+    as hottest's; `label` starts each heading)."""
+    by_name: dict[str, int] = {}
+    for pid in pids:
+        by_name.setdefault(name_of(pid), pid)
+    out = {}
+    for name in (n for n in names if n in by_name):
+        loader = loaded()
+        loader.start()
+        time.sleep(3)
+        rate, hot = hottest(py_spy, by_name[name], seconds, top=top, gil=gil)
+        loader.join()
+        print(f"== {label}{name} (pid {by_name[name]}): {rate:.0f} busy samples/s at 100/s per thread; "
+              f"innermost frame, and anywhere on the stack")
+        for frame, share, inclusive in hot:
+            print(f"{100 * share:6.1f}% {100 * inclusive:6.1f}%  {frame}")
+        out[name] = {"samples_per_s": rate, "top": hot}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--py-spy")
@@ -119,37 +155,17 @@ def main() -> None:
         before, t0 = cpu_ticks(pids), time.perf_counter()
         run = asyncio.run(load(server.url, None, args.streams, args.per_client, args.max_tokens, ids))
         after, wall = cpu_ticks(pids), time.perf_counter() - t0
-        per = collections.defaultdict(float)
-        for pid, t in after.items():
-            per[name_of(pid)] += (t - before.get(pid, t)) / TICK
-        ktok = run["tokens"] / 1000
         print(f"{args.streams} streams x {args.max_tokens} tokens: {run['tokens_per_s']:.1f} tokens/s, "
               f"TTFT p50 {run['ttft_p50_ms']:.1f} ms, {wall:.1f} s, {os.cpu_count()} cores")
-        print(f"{'process':26}{'CPU s':>8}{'ms / 1k tokens':>16}{'of the machine':>16}")
-        rows = sorted(per.items(), key=lambda kv: -kv[1])
-        for name, cpu in rows:
-            print(f"{name:26}{cpu:8.2f}{1000 * cpu / ktok:16.1f}{100 * cpu / (wall * os.cpu_count()):15.1f}%")
-        result = {"run": run, "wall_s": wall, "cpu_s": dict(rows)}
+        rows = cpu_table(before, after, wall, run["tokens"] / 1000, "ms / 1k tokens")
+        result = {"run": run, "wall_s": wall, "cpu_s": rows}
         if args.py_spy:
-            by_name = {}
-            for pid in pids:
-                by_name.setdefault(name_of(pid), pid)
-            targets = [n for n in ("Ingress replica", "chat replica", "chat engine process", "Serve proxy")
-                       if n in by_name]
-            for name in targets:
-                # the load on a thread of its own, so that it runs while py-spy samples
-                loader = threading.Thread(target=asyncio.run, daemon=True, args=(load(
-                    server.url, None, args.streams, max(1, int(3 * args.seconds * 800 / args.max_tokens)
-                                                        // args.streams), args.max_tokens, ids),))
-                loader.start()
-                time.sleep(3)
-                rate, top = hottest(args.py_spy, by_name[name], args.seconds)
-                loader.join()
-                print(f"== {name} (pid {by_name[name]}): {rate:.0f} busy samples/s at 100/s per thread; "
-                      f"innermost frame, and anywhere on the stack")
-                for frame, share, inclusive in top:
-                    print(f"{100 * share:6.1f}% {100 * inclusive:6.1f}%  {frame}")
-                result.setdefault("py_spy", {})[name] = {"gil_samples_per_s": rate, "top": top}
+            def loaded():    # the load on a thread of its own, so that it runs while py-spy samples
+                per_client = max(1, int(3 * args.seconds * 800 / args.max_tokens) // args.streams)
+                return threading.Thread(target=asyncio.run, daemon=True, args=(load(
+                    server.url, None, args.streams, per_client, args.max_tokens, ids),))
+            result["py_spy"] = profile_processes(args.py_spy, pids, ("Ingress replica", "chat replica",
+                                                 "chat engine process", "Serve proxy"), loaded, args.seconds)
     finally:
         server.stop()
     if args.json:

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.path_profile import TICK, cpu_ticks, hottest, name_of, session_pids
+from bench.path_profile import TICK, cpu_ticks, name_of, profile_processes, session_pids
 from bench.sse import Connection, HTTPStatusError
 from bench.vllm_peer import ROOT, app_overrides, start_ours
 
@@ -162,24 +162,10 @@ def measure(server, sc: Scenario, seconds: float) -> dict:
 
 def profile(server, sc: Scenario, py_spy: str, seconds: int) -> dict:
     """py-spy's hottest functions of each serving Python process while `sc` runs (a load of its own)."""
-    by_name: dict[str, int] = {}
-    for pid in session_pids(server.proc.pid):
-        by_name.setdefault(name_of(pid), pid)
-    out = {}
-    for name in ("Ingress replica", "chat replica", "chat engine process"):
-        if name not in by_name:
-            continue
-        loader = threading.Thread(target=asyncio.run, args=(load(server.url, sc, seconds + 6),))
-        loader.start()                  # the load runs on its own thread while py-spy samples
-        time.sleep(3)
-        rate, top = hottest(py_spy, by_name[name], seconds, top=40, gil=True)
-        loader.join()
-        print(f"== {sc.name}: {name} (pid {by_name[name]}): {rate:.0f} busy samples/s at 100/s per thread; "
-              f"innermost frame, and anywhere on the stack")
-        for frame, share, inclusive in top:
-            print(f"{100 * share:6.1f}% {100 * inclusive:6.1f}%  {frame}")
-        out[name] = {"samples_per_s": rate, "top": top}
-    return out
+    return profile_processes(
+        py_spy, session_pids(server.proc.pid), ("Ingress replica", "chat replica", "chat engine process"),
+        lambda: threading.Thread(target=asyncio.run, args=(load(server.url, sc, seconds + 6),)), seconds,
+        top=40, gil=True, label=f"{sc.name}: ")
 
 
 def service_args(setting: Setting, extra: dict) -> tuple[dict, dict]:

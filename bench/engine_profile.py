@@ -1,7 +1,7 @@
 """Where the chat engine's step time goes, on this host's CPU, before the engine is made faster.
 
     python -m bench.engine_profile [--shapes 4x256 12x768] [--rows 1 8 32 64] [--prompt 64] [--threads 1]
-                                   [--json out.json]
+                                   [--no-packed] [--json out.json]
 
 For each model shape (random GPT-2 weights in our layout, the demo vocabulary, fp32, as bench.vllm_peer
 builds) and each batch of `--rows` new prompts of `--prompt` tokens: one prefill step that takes every
@@ -120,7 +120,7 @@ def prompts(rows: int, length: int, vocab: int, bos: int, rng: random.Random) ->
 
 
 def profile_shape(n_layer: int, n_embd: int, rows_list: list[int], length: int, decode_steps: int,
-                  profiled_steps: int, peak: float, seed: int) -> list[dict]:
+                  profiled_steps: int, peak: float, seed: int, packed: bool = True) -> list[dict]:
     model, tok = build(n_layer, n_embd)
     cfg = model.config
     rng = random.Random(seed)
@@ -128,7 +128,7 @@ def profile_shape(n_layer: int, n_embd: int, rows_list: list[int], length: int, 
     out = []
     for rows in rows_list:
         engine = LLMEngine(model, tok, max_rows=rows, prefill_chunk=rows * length, prefix_caching=False,
-                           initial_cache_len=1024)
+                           initial_cache_len=1024, packed_linear=packed)
         for i, p in enumerate(prompts(2, 8, min(tok.vocab_size, tok.bos_id), tok.bos_id, rng)):   # warm-up
             engine.add_request(p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), f"w{i}")
         while engine.has_work():
@@ -153,11 +153,11 @@ def profile_shape(n_layer: int, n_embd: int, rows_list: list[int], length: int, 
             for _ in range(profiled_steps):
                 engine.step()
         ops = [(e.key, e.self_cpu_time_total / 1e6 / profiled_steps) for e in prof.key_averages()
-               if e.key.startswith("aten::")]
+               if "::" in e.key]          # aten's and oneDNN's (mkldnn::) ops, not the profiler's own records
         ops.sort(key=lambda kv: -kv[1])
         in_ops = sum(t for _, t in ops)
         keys = length + decode_steps // 2
-        row = {"shape": f"{n_layer}x{n_embd}", "rows": rows, "prompt_tokens": length,
+        row = {"shape": f"{n_layer}x{n_embd}", "rows": rows, "prompt_tokens": length, "linear": engine.linear,
                "prefill_ms": 1000 * prefill_wall, "prefill_split_ms": {k: 1000 * v for k, v in prefill.items()},
                "prefill_gflops": flops(cfg, rows * length, length / 2) / prefill_wall / 1e9,
                "decode_ms": 1000 * decode_wall, "decode_split_ms": {k: 1000 * v for k, v in decode.items()},
@@ -174,13 +174,13 @@ def profile_shape(n_layer: int, n_embd: int, rows_list: list[int], length: int, 
 def print_row(r: dict) -> None:
     def split(d):
         return ", ".join(f"{k} {v:.2f}" for k, v in d.items())
-    print(f"== {r['shape']}, {r['rows']} rows x {r['prompt_tokens']} prompt tokens")
+    print(f"== {r['shape']}, {r['rows']} rows x {r['prompt_tokens']} prompt tokens, linear layers: {r['linear']}")
     print(f"  prefill {r['prefill_ms']:.1f} ms ({split(r['prefill_split_ms'])}), "
           f"{r['prefill_gflops']:.1f} GFLOP/s of {r['peak_gflops']:.0f}")
     print(f"  decode {r['decode_ms']:.2f} ms a step, {r['decode_tokens_per_s']:.0f} tokens/s "
           f"({split(r['decode_split_ms'])}), {r['decode_gflops']:.1f} GFLOP/s")
     print(f"  torch ops under the profiler {r['profiled_ops_total_ms_per_step']:.2f} ms a decode step: "
-          + ", ".join(f"{k[6:]} {v:.2f}" for k, v in list(r["profiled_ops_ms_per_step"].items())[:8]))
+          + ", ".join(f"{k.split('::')[-1]} {v:.2f}" for k, v in list(r["profiled_ops_ms_per_step"].items())[:8]))
 
 
 def main() -> None:
@@ -191,6 +191,7 @@ def main() -> None:
     p.add_argument("--decode-steps", type=int, default=24)
     p.add_argument("--profiled-steps", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-packed", action="store_true", help="the linear layers on F.linear (EngineConfig.packed_linear off)")
     p.add_argument("--json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -200,7 +201,7 @@ def main() -> None:
     rows = []
     for i, shape in enumerate(args.shapes):
         rows += profile_shape(*parse_shape(shape), args.rows, args.prompt, args.decode_steps, args.profiled_steps,
-                              peak, seed=100 + i)
+                              peak, seed=100 + i, packed=not args.no_packed)
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "threads": args.threads,
                                                "peak_gflops": peak, "rows": rows}, indent=2))

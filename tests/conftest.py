@@ -63,6 +63,15 @@ def tiny_model(arch: str, tokenizer: ChatTokenizer, seed: int = 0, std: float = 
     return init_weights(build_model(tiny_config(arch, tokenizer, **kw)), seed=seed, std=std).eval()
 
 
+def assert_same_model(a, b, ids) -> None:
+    """The same weights (exactly) and the same logits on `ids` up to rounding: a model an engine has packed
+    (core/chat/packed.py) computes its products another way than a freshly loaded one."""
+    ours, ref = a.state_dict(), b.state_dict()
+    assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
+    with torch.no_grad():
+        assert torch.allclose(a(ids), b(ids), atol=1e-5)
+
+
 @pytest.fixture(scope="session")
 def nanochat_model(tokenizer):
     return tiny_model("nanochat", tokenizer)

@@ -253,7 +253,10 @@ def check_answers(url: str) -> None:
     with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json=hello | {"stream": True}) as s:
         events = [line for line in s.iter_lines() if line.startswith("data: ")]
     assert len(events) > 3 and events[-1] == "data: [DONE]"
-    assert httpx.get(f"{url}/debug/stats", timeout=10).json()["chat"]["engine"] == "ProcessEngine"
+    chat = httpx.get(f"{url}/debug/stats", timeout=10).json()["chat"]
+    # the engine in its own process; the demo model's linear layers are all under packed.MIN_WEIGHT, where
+    # torch's own product is the faster (a larger model's report "onednn-packed": tests/test_chat_engine.py)
+    assert (chat["engine"], chat["linear"]) == ("ProcessEngine", "torch")
 
 
 def check_listeners(svc: ReadmeService) -> None:

@@ -395,3 +395,75 @@ def test_a_continuation_that_cannot_be_taken_is_refused(nanochat_model, tokenize
                            (SamplingParams(max_tokens=8), [5, end]), (SamplingParams(max_tokens=8), [10 ** 9])]:
         with pytest.raises(EngineError):
             engine.add_request([1, 2], params, resume=resume)
+
+
+@pytest.mark.parametrize("arch", ["nanochat", "gpt2"])
+def test_engine_runs_its_linear_layers_packed_and_generates_what_torch_linear_does(arch, tokenizer, monkeypatch):
+    """On the CPU the engine packs its model's large linear layers for oneDNN (here every layer: the tiny
+    model's are all under packed.MIN_WEIGHT); greedy and seeded streams, batched (products of more and of
+    fewer than packed.MIN_ROWS rows as the batch drains), give the tokens of the same model on F.linear."""
+    import core.chat.packed as packed_module
+    from core.chat.packed import PackedLinear
+
+    monkeypatch.setattr(packed_module, "MIN_WEIGHT", 0)
+    fast = tiny_model(arch, tokenizer, seed=6, std=0.3)
+    plain = tiny_model(arch, tokenizer, seed=6, std=0.3)
+    a = LLMEngine(fast, tokenizer, max_rows=8)
+    b = LLMEngine(plain, tokenizer, max_rows=8, packed_linear=False)
+    assert (a.linear, b.linear) == ("onednn-packed", "torch")
+    assert any(isinstance(m, PackedLinear) for m in fast.modules())
+    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+    for engine in (a, b):
+        for i, p in enumerate(prompts(6, seed=3)):
+            params = (SamplingParams(max_tokens=24, temperature=0) if i % 2 else
+                      SamplingParams(max_tokens=24, temperature=1.0, seed=40 + i, top_k=20))
+            engine.add_request(p, params, f"r{i}")
+    assert collect(a) == collect(b)
+
+
+def test_engine_keeps_torch_linear_when_packing_fails(nanochat_model, tokenizer, monkeypatch, caplog):
+    import core.chat.engine as engine_module
+
+    assert LLMEngine(tiny_model("nanochat", tokenizer), tokenizer, max_rows=2).linear == "torch"   # all too small
+
+    def refuse(model):
+        raise RuntimeError("no oneDNN here")
+
+    monkeypatch.setattr(engine_module, "pack_linears", refuse)
+    model = tiny_model("nanochat", tokenizer, seed=7)
+    with caplog.at_level("WARNING", logger="core.chat.engine"):
+        engine = LLMEngine(model, tokenizer, max_rows=2)
+    assert engine.linear == "torch"
+    assert [r.getMessage() for r in caplog.records if "F.linear" in r.getMessage()] and "no oneDNN here" in caplog.text
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0), "x")
+    assert len(collect(engine)["x"][0]) == 4
+
+
+def test_prefill_passes_group_chunks_of_similar_length():
+    """Every chunk in exactly one pass; a pass pads to its first (longest) chunk and computes at most PAD_LIMIT
+    positions per real token unless it holds one chunk; on mixed lengths that is fewer positions than one pass."""
+    import random
+
+    from core.chat.engine import PAD_LIMIT, pad_groups
+
+    rng = random.Random(0)
+    batch = [(f"r{i}", rng.randint(1, 96)) for i in range(40)]
+    groups = pad_groups(batch)
+    assert sorted(x for g in groups for x in g) == sorted(batch)
+    for g in groups:
+        assert g[0][1] == max(t for _, t in g)
+        assert len(g) == 1 or len(g) * g[0][1] <= PAD_LIMIT * sum(t for _, t in g)
+    assert sum(len(g) * g[0][1] for g in groups) < len(batch) * max(t for _, t in batch)
+    assert pad_groups([("a", 5), ("b", 5), ("c", 5)]) == [[("a", 5), ("b", 5), ("c", 5)]]
+
+
+def test_prompts_of_mixed_lengths_prefilled_together_decode_as_alone(gpt2_model, tokenizer):
+    """One step's prompts of 3-60 tokens, prefilled in several passes, give each the tokens it gets alone."""
+    ps = prompts(10, seed=9)
+    params = SamplingParams(max_tokens=6, temperature=0)
+    engine = LLMEngine(gpt2_model, tokenizer, max_rows=10, prefill_chunk=4096)
+    for i, p in enumerate(ps):
+        engine.add_request(p, params, f"r{i}")
+    together = collect(engine)
+    assert {rid: out[0] for rid, out in together.items()} == {
+        f"r{i}": run_alone(gpt2_model, tokenizer, p, params)[0] for i, p in enumerate(ps)}

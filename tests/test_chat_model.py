@@ -4,6 +4,7 @@ import torch
 
 from core.chat.convert import hf_gpt2
 from core.chat.kv_cache import CacheBatch, KVCache
+from core.chat.packed import PackedLinear, pack_linears
 from tests.conftest import tiny_model
 
 
@@ -30,10 +31,15 @@ def to_hf_nanochat(model):
     return hf.eval()
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "torch-linear"])
 @pytest.mark.parametrize("arch", ["nanochat", "gpt2"])
-def test_logits_match_transformers(arch, tokenizer):
+def test_logits_match_transformers(arch, packed, tokenizer):
+    """Both ways of running the linear layers: oneDNN's packed weights (what the engine runs on the CPU) and
+    torch's F.linear."""
     model = tiny_model(arch, tokenizer, seed=3, std=0.1)
     hf = to_hf_nanochat(model) if arch == "nanochat" else hf_gpt2(model)
+    if packed:
+        assert pack_linears(model, min_weight=0) > 0
     ids = torch.randint(0, tokenizer.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model(ids)
@@ -110,3 +116,25 @@ def test_cuda_attention_avoids_cudnn(arch, tokenizer):
     names = {e.key for e in prof.key_averages()}
     assert "aten::scaled_dot_product_attention" in names
     assert not any("cudnn_attention" in n for n in names), sorted(n for n in names if "attention" in n)
+
+
+@pytest.mark.parametrize("arch", ["nanochat", "gpt2"])
+def test_packing_keeps_parameters_ties_and_checkpoints(arch, tokenizer):
+    """Every linear layer is packed; the parameters are the same objects (the GPT-2 head stays tied to the
+    embedding), the state_dict keys and values do not change, and a product that needs gradients goes the
+    plain way."""
+    model = tiny_model(arch, tokenizer, seed=5, std=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = {id(p) for p in model.parameters()}
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert pack_linears(model, min_weight=0) == linears
+    assert all(type(m) is PackedLinear for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert {id(p) for p in model.parameters()} == params
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    if arch == "gpt2":
+        assert model.lm_head.weight is model.transformer.wte.weight
+    x = torch.randn(3, model.config.n_embd, requires_grad=True)
+    lin = next(m for m in model.modules() if isinstance(m, PackedLinear))
+    lin(x).sum().backward()                     # the packed op has no backward: this went through F.linear
+    assert x.grad is not None and lin.weight.grad is not None

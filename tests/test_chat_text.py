@@ -10,7 +10,7 @@ from core.chat import (ChatPrompter, CheckpointError, PromptError, PromptTooLong
                        load_chat_model, load_chat_tokenizer, save_chat_model)
 from core.chat.calculator import use_calculator
 from core.chat.convert import main as convert_main
-from tests.conftest import tiny_model
+from tests.conftest import assert_same_model, tiny_model
 
 
 def turn(tok, role, text):
@@ -92,8 +92,7 @@ def test_checkpoint_round_trip_and_errors(tmp_path, tokenizer, gpt2_model):
     save_chat_model(str(tmp_path), gpt2_model, tokenizer)
     model, tok, cfg = load_chat_model(str(tmp_path), device="cpu")
     ids = torch.tensor([[1, 2, 3, 4]])
-    with torch.no_grad():
-        assert torch.equal(model(ids), gpt2_model(ids))
+    assert_same_model(model, gpt2_model, ids)
     assert cfg.arch == "gpt2" and tok.special_tokens == tokenizer.special_tokens
     assert load_chat_defaults(str(tmp_path)).fewshot == []
     with open(tmp_path / "config.json", "w") as f:
@@ -122,8 +121,7 @@ def test_convert_nanochat_directory(tmp_path, tokenizer, nanochat_model):
     convert_main(["nanochat", str(src), str(dst), "--tokenizer", str(tokdir)])
     model, tok, _ = load_chat_model(str(dst), device="cpu")
     ids = torch.tensor([[5, 6, 7, 8, 9]])
-    with torch.no_grad():
-        assert torch.equal(model(ids), nanochat_model(ids))
+    assert_same_model(model, nanochat_model, ids)
     assert tok.encode("hello cat") == tokenizer.encode("hello cat")
 
 
@@ -145,8 +143,7 @@ def test_convert_orig_mod_state_dict(tmp_path, tokenizer):
     # the chat special tokens follow the ordinary vocabulary, as seed 001 appends them after GPT-2's 50257
     assert tok.bos_id == len(tokenizer.enc._mergeable_ranks)
     ids = torch.tensor([[5, 6, 7, 8]])
-    with torch.no_grad():
-        assert torch.equal(loaded(ids), model(ids))
+    assert_same_model(loaded, model, ids)
     assert not any(name.endswith(".pkl") for name in os.listdir(dst))
 
 

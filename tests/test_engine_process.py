@@ -284,6 +284,7 @@ class DirectClient(EngineClient):
     """An engine client whose events the test hands over itself (`_deliver`), on a clock it sets."""
 
     max_rows = 4
+    linear = "none"
 
     def __init__(self, hold):
         super().__init__(hold=hold)

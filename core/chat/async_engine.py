@@ -150,6 +150,11 @@ class EngineClient(ABC):
     def stats(self) -> EngineStats:
         """The engine's latest counters."""
 
+    @property
+    @abstractmethod
+    def linear(self) -> str:
+        """How the engine's model runs its linear layers (LLMEngine.linear)."""
+
     @abstractmethod
     def alive(self) -> bool:
         """Whether the engine still steps."""
@@ -246,6 +251,10 @@ class AsyncEngine(EngineClient):
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    @property
+    def linear(self) -> str:
+        return self.engine.linear
 
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping

@@ -33,6 +33,7 @@ from .kv_cache import CacheBatch, KVCache
 from .logits import LogitProcessor, LogprobResult, logprobs
 from .model import ChatNetwork
 from .outputs import OutputProcessor
+from .packed import pack_linears
 from .protocol import EngineConfig, EngineStats, SamplingParams, TokenEvent
 from .sampler import sample
 from .scheduler import Request, Sample, Scheduler, check_request, check_resume, row_rng
@@ -41,6 +42,23 @@ from .tokenizer import ChatTokenizer
 logger = logging.getLogger(__name__)
 
 _ids = itertools.count()
+PAD_LIMIT = 1.25      # a prefill pass computes at most this many positions per prompt token it feeds
+
+
+def pad_groups(batch: list[tuple[Request, int]]) -> list[list[tuple[Request, int]]]:
+    """(request, tokens) chunks -> passes, longest first, each padding its chunks to its first's length and
+    computing at most PAD_LIMIT positions per real token (a chunk that alone would break that starts the next
+    pass)."""
+    groups: list[list[tuple[Request, int]]] = []
+    real = 0
+    for item in sorted(batch, key=lambda rt: -rt[1]):
+        if groups and (len(groups[-1]) + 1) * groups[-1][0][1] <= PAD_LIMIT * (real + item[1]):
+            groups[-1].append(item)
+            real += item[1]
+        else:
+            groups.append([item])
+            real = item[1]
+    return groups
 
 
 class LLMEngine:
@@ -57,6 +75,7 @@ class LLMEngine:
         self.sequence_len, self.vocab_size = cfg.sequence_len, cfg.vocab_size
         self.max_rows = config.max_rows
         self.device = model.get_device()
+        self.linear = self._pack(model) if self.device.type == "cpu" and config.packed_linear else "torch"
         dtype = next(model.parameters()).dtype
         self.graphs = None
         self.prefix_row = config.max_rows                # pinned to the few-shot prefix
@@ -74,6 +93,19 @@ class LLMEngine:
         self.prefix_ids: list[int] = []
         if prefix_ids:
             self.set_prefix(prefix_ids)
+
+    @staticmethod
+    def _pack(model: ChatNetwork) -> str:
+        """The model's large linear layers through oneDNN with packed weights (packed.py), in place; ->
+        "onednn-packed", or "torch" where no layer is large enough to gain or packing fails (then one warning:
+        the model runs as built)."""
+        try:
+            packed = pack_linears(model)
+        except Exception as e:      # noqa: BLE001 - any failure leaves torch's own path, which always works
+            logger.warning("the chat model's linear layers stay on torch's F.linear, up to 1.7x slower at decode "
+                           "batch sizes: packing them for oneDNN failed (%s: %s)", type(e).__name__, e)
+            return "torch"
+        return "onednn-packed" if packed else "torch"
 
     # ---- requests in and out (safe to call from another thread than step())
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
@@ -173,6 +205,13 @@ class LLMEngine:
         return True
 
     def _prefill(self, batch: list[tuple[Request, int]], events: list[TokenEvent]) -> None:
+        """The step's prompt chunks, in passes of chunks of similar length (`pad_groups`): a pass pads every
+        chunk to its longest, and on prompts of mixed length one pass for all computed up to twice the
+        positions it needed."""
+        for group in pad_groups(batch):
+            self._prefill_pass(group, events)
+
+    def _prefill_pass(self, batch: list[tuple[Request, int]], events: list[TokenEvent]) -> None:
         T = max(take for _, take in batch)
         ids = torch.zeros(len(batch), T, dtype=torch.long)
         for j, (req, take) in enumerate(batch):

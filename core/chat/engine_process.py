@@ -146,6 +146,10 @@ class ProcessEngine(EngineClient):
     def stats(self) -> EngineStats:
         return self._stats
 
+    @property
+    def linear(self) -> str:
+        return self.info.linear
+
     def alive(self) -> bool:
         return self.child.alive()
 
@@ -165,7 +169,7 @@ def serve_engine(conn: Connection) -> None:
     except Exception:
         conn.send(Failed(traceback.format_exc()))
         return
-    conn.send(Ready(str(engine.device), os.getpid(), torch_threads(), policy))
+    conn.send(Ready(str(engine.device), os.getpid(), torch_threads(), policy, engine.linear))
 
     def emit(events) -> None:
         conn.send_bytes(encode_events(events))     # msgpack: a few times cheaper than pickling the events

@@ -302,6 +302,7 @@ class EngineConfig:
     cpu_policy: Literal["normal", "idle"] = "normal"   # "idle": the engine process runs under SCHED_IDLE
     kind: Literal["model", "replay"] = "model"   # "replay": replay.py's engine, no model (benchmarks and tests)
     replay_step_s: float = H200_STEP_S          # the replay engine's step time (one token per running row)
+    packed_linear: bool = True      # on the CPU, linear layers through oneDNN with weights packed once (packed.py)
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:
@@ -349,6 +350,7 @@ class Ready(msgspec.Struct, frozen=True):
     pid: int
     torch_threads: int
     cpu_policy: str
+    linear: str = ""        # how the model's linear layers run: LLMEngine.linear
 
 
 class Failed(msgspec.Struct, frozen=True):

@@ -411,6 +411,7 @@ def test_engine_runs_its_linear_layers_packed_and_generates_what_torch_linear_do
     a = LLMEngine(fast, tokenizer, max_rows=8)
     b = LLMEngine(plain, tokenizer, max_rows=8, packed_linear=False)
     assert (a.linear, b.linear) == ("onednn-packed", "torch")
+    assert LLMEngine(fast, tokenizer, max_rows=2).linear == "onednn-packed"     # a model packed before
     assert any(isinstance(m, PackedLinear) for m in fast.modules())
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
     for engine in (a, b):

@@ -33,7 +33,7 @@ from .kv_cache import CacheBatch, KVCache
 from .logits import LogitProcessor, LogprobResult, logprobs
 from .model import ChatNetwork
 from .outputs import OutputProcessor
-from .packed import pack_linears
+from .packed import PackedLinear, pack_linears
 from .protocol import EngineConfig, EngineStats, SamplingParams, TokenEvent
 from .sampler import sample
 from .scheduler import Request, Sample, Scheduler, check_request, check_resume, row_rng
@@ -100,12 +100,13 @@ class LLMEngine:
         "onednn-packed", or "torch" where no layer is large enough to gain or packing fails (then one warning:
         the model runs as built)."""
         try:
-            packed = pack_linears(model)
+            pack_linears(model)
         except Exception as e:      # noqa: BLE001 - any failure leaves torch's own path, which always works
             logger.warning("the chat model's linear layers stay on torch's F.linear, up to 1.7x slower at decode "
                            "batch sizes: packing them for oneDNN failed (%s: %s)", type(e).__name__, e)
             return "torch"
-        return "onednn-packed" if packed else "torch"
+        # (an engine built on a model another engine packed finds its layers packed already)
+        return "onednn-packed" if any(isinstance(m, PackedLinear) for m in model.modules()) else "torch"
 
     # ---- requests in and out (safe to call from another thread than step())
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,

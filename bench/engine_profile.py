@@ -1,7 +1,7 @@
 """Where the chat engine's step time goes, on this host's CPU, before the engine is made faster.
 
     python -m bench.engine_profile [--shapes 4x256 12x768] [--rows 1 8 32 64] [--prompt 64] [--threads 1]
-                                   [--no-packed] [--json out.json]
+                                   [--no-packed | --compare-linear] [--json out.json]
 
 For each model shape (random GPT-2 weights in our layout, the demo vocabulary, fp32, as bench.vllm_peer
 builds) and each batch of `--rows` new prompts of `--prompt` tokens: one prefill step that takes every
@@ -12,7 +12,9 @@ rest (the scheduler, the step's Python). Then torch.profiler over more decode st
 self CPU time, and the share of the forward's wall time inside torch's ops (the rest of the forward is
 Python: module calls, views, the cache's indexing). Each step's GFLOP/s counts the matrix products (q, k, v,
 o, the MLP, the head) and attention's two products, against this core's own peak measured here as a large
-single-thread fp32 matrix product.
+single-thread fp32 matrix product. `--compare-linear`: instead, the model's forward (a decode pass at 80
+keys, a prefill of 64 tokens a row) with torch's F.linear against core/chat/packed.py's packed layers, on
+the same weights, alternating.
 """
 from __future__ import annotations
 
@@ -171,6 +173,58 @@ def profile_shape(n_layer: int, n_embd: int, rows_list: list[int], length: int, 
     return out
 
 
+def compare_linear(n_layer: int, n_embd: int, rows_list: list[int], keys: int = 80, rounds: int = 2) -> list[dict]:
+    """The model's forward, a decode pass of `rows` rows at `keys` keys and a prefill of rows x 64 tokens, on the
+    same weights with F.linear and with packed.py's layers (pack_linears with no size limit: each layer
+    packed), alternating `rounds` times; -> the best time of each."""
+    from core.chat.kv_cache import KVCache
+    from core.chat.packed import pack_linears
+
+    plain, _ = build(n_layer, n_embd)
+    packed, _ = build(n_layer, n_embd)
+    pack_linears(packed, min_weight=0)
+    reps = max(3, int(200 / (n_layer * n_embd / 256)))
+
+    def decode_ms(model, rows):
+        cache = KVCache.for_model(model.config, rows=rows, initial_len=256)
+        ids, last = torch.randint(0, 1000, (rows, 1)), torch.zeros(rows, dtype=torch.long)
+        cb = CacheBatch.build(cache, list(range(rows)), [keys] * rows, 1)
+        with torch.no_grad():
+            model(ids, cb, last=last)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                model(ids, cb, last=last)
+        return 1000 * (time.perf_counter() - t0) / reps
+
+    def prefill_ms(model, rows):
+        cache = KVCache.for_model(model.config, rows=rows, initial_len=256)
+        ids = torch.randint(0, 1000, (rows, 64))
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            model(ids, CacheBatch.build(cache, list(range(rows)), [0] * rows, 64),
+                  last=torch.zeros(rows, dtype=torch.long))
+        return 1000 * (time.perf_counter() - t0)
+
+    out = []
+    for rows in rows_list:
+        d = {"plain": [], "packed": []}
+        p = {"plain": [], "packed": []}
+        for _ in range(rounds):
+            for name, model in (("plain", plain), ("packed", packed)):
+                d[name].append(decode_ms(model, rows))
+                p[name].append(prefill_ms(model, rows))
+        row = {"shape": f"{n_layer}x{n_embd}", "rows": rows, "decode_ms": {k: min(v) for k, v in d.items()},
+               "prefill_ms": {k: min(v) for k, v in p.items()}}
+        row["decode_speedup"] = row["decode_ms"]["plain"] / row["decode_ms"]["packed"]
+        row["prefill_speedup"] = row["prefill_ms"]["plain"] / row["prefill_ms"]["packed"]
+        print(f"{row['shape']} {rows:3d} rows: decode F.linear {row['decode_ms']['plain']:.2f} ms, packed "
+              f"{row['decode_ms']['packed']:.2f} ({row['decode_speedup']:.2f}x); prefill x 64 tokens "
+              f"{row['prefill_ms']['plain']:.1f} / {row['prefill_ms']['packed']:.1f} ms "
+              f"({row['prefill_speedup']:.2f}x)", flush=True)
+        out.append(row)
+    return out
+
+
 def print_row(r: dict) -> None:
     def split(d):
         return ", ".join(f"{k} {v:.2f}" for k, v in d.items())
@@ -192,12 +246,20 @@ def main() -> None:
     p.add_argument("--profiled-steps", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-packed", action="store_true", help="the linear layers on F.linear (EngineConfig.packed_linear off)")
+    p.add_argument("--compare-linear", action="store_true",
+                   help="instead: the forward with F.linear against every layer packed, alternating, per row count")
     p.add_argument("--json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     peak = peak_gflops()
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s); "
           f"fp32 matrix product peak here {peak:.1f} GFLOP/s")
+    if args.compare_linear:
+        rows = [r for shape in args.shapes for r in compare_linear(*parse_shape(shape), args.rows)]
+        if args.json:
+            Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "threads": args.threads,
+                                                   "compare_linear": rows}, indent=2))
+        return
     rows = []
     for i, shape in enumerate(args.shapes):
         rows += profile_shape(*parse_shape(shape), args.rows, args.prompt, args.decode_steps, args.profiled_steps,

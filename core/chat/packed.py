@@ -3,7 +3,7 @@
 torch's `F.linear` on the CPU calls MKL's matrix product on the weight as it is stored, which at the batch
 sizes of a decode step (a row per running sequence) runs at about half the rate, at 4-8 rows, that the same
 product reaches with the weight reordered ahead of time into oneDNN's blocked layout (a 12 x 768 GPT-2's
-decode step ran 1.4-1.7x faster packed at 4-8 rows, 1.1-1.2x at 16-32; bench/README.md, "Where the chat
+decode step ran 1.4-1.8x faster packed at 4-8 rows, 1.04-1.2x at 16-32; bench/README.md, "Where the chat
 engine's step goes"). torch ships that path: `mkldnn._reorder_linear_weight` packs a weight once (for a
 batch-size hint; any batch size may then use it) and `mkldnn._linear_pointwise` multiplies by the packed
 copy. It is what inductor's freezing pass emits for a CPU linear layer with a dynamic batch, and what
@@ -15,8 +15,9 @@ layer's weight memory twice).
 A product that needs gradients, another dtype or another device goes through `F.linear` as before, and so
 do the two cases where the packed product measured slower on this project's CPU host: a layer whose weight
 has fewer than MIN_WEIGHT elements is not packed (oneDNN's cost per call outweighs the gain: a 4 x 256
-model ran 0.7-1.06x packed), and a product of fewer than MIN_ROWS rows uses the original weight (at 1-2
-rows MKL reads the weight at the memory's full rate; packed ran 0.76-0.88x there).
+model ran 0.7-1.06x packed), and a product of fewer than MIN_ROWS or more than MAX_ROWS rows uses the
+original weight (at 1-2 rows MKL reads the weight at the memory's full rate, packed ran 0.76-0.88x there;
+a prefill's hundreds of rows ran 0.88-1.10x packed, `python -m bench.engine_profile --compare-linear`).
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 BATCH_HINT = 32          # the rows oneDNN tunes the packed layout for; every batch size can use it
 MIN_WEIGHT = 1 << 19     # elements (2 MiB of fp32): smaller layers stay as they are
-MIN_ROWS = 4             # products of fewer rows use the original weight
+MIN_ROWS = 4             # products of fewer rows use the original weight,
+MAX_ROWS = 64            # and so do products of more (prefill): there MKL's product is as fast or faster
 
 
 def available() -> bool:
@@ -57,7 +59,8 @@ class PackedLinear(nn.Linear):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.device.type != "cpu" or x.dtype != self.packed.dtype or x.numel() < MIN_ROWS * x.size(-1)
+        rows = x.numel() // x.size(-1)
+        if (x.device.type != "cpu" or x.dtype != self.packed.dtype or not MIN_ROWS <= rows <= MAX_ROWS
                 or (torch.is_grad_enabled() and self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

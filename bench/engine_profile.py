@@ -28,26 +28,16 @@ from pathlib import Path
 
 import torch
 
-from core.chat import ChatModelConfig, LLMEngine, SamplingParams, build_model
-from core.chat.checkpoint import load_chat_tokenizer
+from bench.vllm_peer import random_gpt2
+from core.chat import LLMEngine, SamplingParams
 from core.chat.kv_cache import CacheBatch
-from core.chat.model import init_weights
 
-ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("forward", "batch build", "sampling", "output side", "rest")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
     layers, width = text.lower().split("x")
     return int(layers), int(width)
-
-
-def build(n_layer: int, n_embd: int):
-    tok = load_chat_tokenizer(str(ROOT / "models" / "demo-chat"))[0]
-    cfg = ChatModelConfig(arch="gpt2", vocab_size=tok.vocab_size, n_layer=n_layer, n_head=max(4, n_embd // 64),
-                          n_kv_head=max(4, n_embd // 64), n_embd=n_embd, sequence_len=1024)
-    torch.manual_seed(0)
-    return init_weights(build_model(cfg), seed=0, std=0.2).eval(), tok
 
 
 def flops(cfg, tokens: int, keys: int) -> float:
@@ -123,7 +113,7 @@ def prompts(rows: int, length: int, vocab: int, bos: int, rng: random.Random) ->
 
 def profile_shape(n_layer: int, n_embd: int, rows_list: list[int], length: int, decode_steps: int,
                   profiled_steps: int, peak: float, seed: int, packed: bool = True) -> list[dict]:
-    model, tok = build(n_layer, n_embd)
+    model, tok = random_gpt2(n_layer, n_embd)
     cfg = model.config
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=decode_steps + profiled_steps + 4, temperature=0, ignore_eos=True)
@@ -180,8 +170,8 @@ def compare_linear(n_layer: int, n_embd: int, rows_list: list[int], keys: int = 
     from core.chat.kv_cache import KVCache
     from core.chat.packed import pack_linears
 
-    plain, _ = build(n_layer, n_embd)
-    packed, _ = build(n_layer, n_embd)
+    plain, _ = random_gpt2(n_layer, n_embd)
+    packed, _ = random_gpt2(n_layer, n_embd)
     pack_linears(packed, min_weight=0)
     reps = max(3, int(200 / (n_layer * n_embd / 256)))
 

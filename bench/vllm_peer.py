@@ -53,14 +53,13 @@ from cluster.local_cluster import default_sigint, free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build_checkpoints(root: Path, n_layer: int = 4, n_embd: int = 256) -> tuple[Path, Path, int, int]:
+def random_gpt2(n_layer: int = 4, n_embd: int = 256):
     """A random GPT-2 with the demo vocabulary (`n_layer` layers of width `n_embd`, a head per 64 of it, at
-    least 4), in our layout and in transformers' -> (ours, hf, vocab, bos)."""
+    least 4; fp32, in eval mode) -> (model, tokenizer)."""
     import torch
 
-    from core.chat import ChatModelConfig, build_model, save_chat_model
+    from core.chat import ChatModelConfig, build_model
     from core.chat.checkpoint import load_chat_tokenizer
-    from core.chat.convert import export_hf_gpt2
     from core.chat.model import init_weights
 
     tok = load_chat_tokenizer(str(ROOT / "models" / "demo-chat"))[0]
@@ -68,7 +67,15 @@ def build_checkpoints(root: Path, n_layer: int = 4, n_embd: int = 256) -> tuple[
     cfg = ChatModelConfig(arch="gpt2", vocab_size=tok.vocab_size, n_layer=n_layer, n_head=heads, n_kv_head=heads,
                           n_embd=n_embd, sequence_len=1024)
     torch.manual_seed(0)
-    model = init_weights(build_model(cfg), seed=0, std=0.2).eval()
+    return init_weights(build_model(cfg), seed=0, std=0.2).eval(), tok
+
+
+def build_checkpoints(root: Path, n_layer: int = 4, n_embd: int = 256) -> tuple[Path, Path, int, int]:
+    """random_gpt2's model, in our layout and in transformers' -> (ours, hf, vocab, bos)."""
+    from core.chat import save_chat_model
+    from core.chat.convert import export_hf_gpt2
+
+    model, tok = random_gpt2(n_layer, n_embd)
     ours, hf = root / f"ours-{n_layer}x{n_embd}", root / f"hf-{n_layer}x{n_embd}"
     save_chat_model(str(ours), model, tok)
     export_hf_gpt2(model, str(ours), str(hf))

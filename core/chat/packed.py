@@ -21,13 +21,9 @@ a prefill's hundreds of rows ran 0.88-1.10x packed, `python -m bench.engine_prof
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-logger = logging.getLogger(__name__)
 
 BATCH_HINT = 32          # the rows oneDNN tunes the packed layout for; every batch size can use it
 MIN_WEIGHT = 1 << 19     # elements (2 MiB of fp32): smaller layers stay as they are
@@ -50,13 +46,8 @@ class PackedLinear(nn.Linear):
         nn.Module.__init__(new)
         new.in_features, new.out_features = lin.in_features, lin.out_features
         new.weight, new.bias = lin.weight, lin.bias      # the same Parameters: ties and checkpoints hold
-        new.repack()
+        new.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), BATCH_HINT)
         return new
-
-    def repack(self) -> None:
-        """Pack the weight as it is now (after the weight has been changed in place)."""
-        with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.size(-1)

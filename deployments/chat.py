@@ -57,8 +57,10 @@ class ChatMetrics:
                                       tag_keys=("model",))
         self.prefix_hits = Counter("chat_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
                                    tag_keys=("model",))
+        self.linear_fallback = Gauge("chat_linear_fallback", "1 where packing the model's linear layers for "
+                                     "oneDNN failed and they run on torch's slower F.linear.", tag_keys=("model",))
         self._reported = (0, 0)
-        for m in (self.ttft, self.itl, self.e2e, self.generated, self.prompted, self.running, self.waiting,
+        for m in (self.linear_fallback, self.ttft, self.itl, self.e2e, self.generated, self.prompted, self.running, self.waiting,
                   self.cache, self.prefix_queries, self.prefix_hits):
             m.set_default_tags(dict(tags))   # Serve adds its own tags to the dict it is given
 
@@ -224,6 +226,7 @@ class ChatModel:
         self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot)
         start = Start(settings.checkpoint, settings.device, settings.engine, tuple(self.prompter.prefix_ids))
         self.engine = start_engine(start, on_stats=self.metrics.engine_stats, hold=settings.hold)
+        self.metrics.linear_fallback.set(1 if self.engine.linear == "torch-fallback" else 0)
         logger.info("chat model %s loaded (%s, %d rows, %s)", self.name, type(self.engine).__name__,
                     settings.engine.max_rows, getattr(self.engine, "info", None))
 

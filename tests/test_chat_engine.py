@@ -437,7 +437,7 @@ def test_engine_keeps_torch_linear_when_packing_fails(nanochat_model, tokenizer,
     model = tiny_model("nanochat", tokenizer, seed=7)
     with caplog.at_level("WARNING", logger="core.chat.engine"):
         engine = LLMEngine(model, tokenizer, max_rows=2)
-    assert engine.linear == "torch"
+    assert engine.linear == "torch-fallback"
     assert [r.getMessage() for r in caplog.records if "F.linear" in r.getMessage()] and "no oneDNN here" in caplog.text
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0), "x")
     assert len(collect(engine)["x"][0]) == 4

@@ -72,6 +72,29 @@ def thread_reference(checkpoint, device, how):
         threaded.shutdown()
 
 
+def test_the_engine_process_runs_a_large_model_packed(tmp_path, tokenizer):
+    """The service's engine process packs a model whose layers are large enough (core/chat/packed.py), and
+    says so: a replica that silently fell back to torch's F.linear would fail here."""
+    from core.chat.packed import MIN_WEIGHT
+
+    path = str(tmp_path / "wide")
+    model = tiny_model("gpt2", tokenizer, n_layer=1, n_head=6, n_kv_head=6, n_embd=384, std=0.2)
+    assert 4 * 384 * 384 >= MIN_WEIGHT                  # its MLP's layers are over the packing limit
+    save_chat_model(path, model, tokenizer)
+    pe = ProcessEngine(Start(path, "cpu", EngineConfig(max_rows=4, torch_threads=1)))
+    try:
+        assert pe.linear == "onednn-packed"
+        tokens = run(stream_tokens(pe, [5, 6, 7], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)))
+    finally:
+        pe.shutdown()
+    plain = LLMEngine(model, tokenizer, max_rows=4, packed_linear=False)
+    plain.add_request([5, 6, 7], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), "x")
+    expected = []
+    while plain.has_work():
+        expected += [ev.token for ev in plain.step() if ev.token is not None]
+    assert [t for t, _, _ in tokens[0] if t is not None] == expected and len(expected) == 6
+
+
 def test_same_streams_as_the_thread_engine(engine, checkpoint):
     """Concurrent seeded and greedy requests give the same tokens, text and endings in both fronts."""
     reference = thread_reference(checkpoint, "cpu", all_at_once)

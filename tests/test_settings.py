@@ -41,6 +41,7 @@ def test_chat_values_reach_the_engine(name):
 
     class Recorder:
         max_rows = 0
+        linear = "torch"
 
         def __init__(self, start, on_stats=None, hold=None):
             started.append((start, hold))

@@ -97,14 +97,14 @@ class LLMEngine:
     @staticmethod
     def _pack(model: ChatNetwork) -> str:
         """The model's large linear layers through oneDNN with packed weights (packed.py), in place; ->
-        "onednn-packed", or "torch" where no layer is large enough to gain or packing fails (then one warning:
-        the model runs as built)."""
+        "onednn-packed"; "torch" where no layer is large enough to gain; "torch-fallback" where packing failed
+        (then one warning, and the replica's chat_linear_fallback gauge reads 1: the model runs as built)."""
         try:
             pack_linears(model)
         except Exception as e:      # noqa: BLE001 - any failure leaves torch's own path, which always works
             logger.warning("the chat model's linear layers stay on torch's F.linear, up to 1.7x slower at decode "
                            "batch sizes: packing them for oneDNN failed (%s: %s)", type(e).__name__, e)
-            return "torch"
+            return "torch-fallback"
         # (an engine built on a model another engine packed finds its layers packed already)
         return "onednn-packed" if any(isinstance(m, PackedLinear) for m in model.modules()) else "torch"
 

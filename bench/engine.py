@@ -1,6 +1,6 @@
 """Engine benchmark: single-stream vs 32-stream throughput, time to first token, engine step overhead.
 
-    python -m bench.engine [--json out.json] [--device cpu|cuda] [--structured-only]
+    python -m bench.engine [--json out.json] [--device cpu|cuda] [--structured-only] [--streams 32 128 ...]
 
 A small nanochat-architecture model (4 layers, width 256) with random weights; special-token logits are
 zeroed so every stream runs its full length. Then the cost of asking for logprobs: 32 streams with
@@ -8,7 +8,9 @@ zeroed so every stream runs its full length. Then the cost of asking for logprob
 penalties and a logit_bias on every row. Then structured outputs: 32 streams, every row constrained by a JSON
 schema (an array of at least 64 small objects, so no row ends before max_tokens), beside the same streams free,
 on the demo chat model's vocabulary (models/demo-chat, 1,954 tokens) and on a GPT-2-sized one (50,257 tokens,
-random): the same model with a wider or narrower embedding and head. Prints a table; figures go in bench/README.md with date and machine.
+random): the same model with a wider or narrower embedding and head. `--streams` runs only the plain streams at
+the counts given (each twice, alternating, after a warm-up) with the bare forward pass at the largest. Prints a
+table; figures go in bench/README.md with date and machine.
 """
 from __future__ import annotations
 
@@ -60,12 +62,13 @@ def random_vocab(size: int, seed: int = 0) -> ChatTokenizer:
     return ChatTokenizer.from_ranks({t: i for i, t in enumerate(tokens)})
 
 
-def bench_model(vocab_size=2048, tok=None):
+def bench_model(vocab_size=2048, tok=None, n_layer=4, n_embd=256):
     words = "the a cat dog sat on mat red blue green what is capital hello how are you 1 2 3 4 5".split()
     rng = random.Random(0)
     if tok is None:
         tok = train_tokenizer((" ".join(rng.choice(words) for _ in range(12)) for _ in range(2000)), vocab_size)
-    cfg = ChatModelConfig(arch="nanochat", vocab_size=tok.vocab_size, n_layer=4, n_head=4, n_kv_head=4, n_embd=256,
+    cfg = ChatModelConfig(arch="nanochat", vocab_size=tok.vocab_size, n_layer=n_layer, n_head=n_embd // 64,
+                          n_kv_head=n_embd // 64, n_embd=n_embd,
                           sequence_len=1024)
     model = init_weights(build_model(cfg), seed=0, std=0.3).eval()
     with torch.no_grad():
@@ -141,8 +144,14 @@ def main():
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16)")
+    p.add_argument("--streams", type=int, nargs="+", help="only plain streams at these counts")
+    p.add_argument("--shape", default="4x256", help="with --streams: the model's layers x width (heads of 64)")
     args = p.parse_args()
     torch.manual_seed(0)
+    if args.streams:
+        n_layer, n_embd = map(int, args.shape.split("x"))
+        model, tok = bench_model(n_layer=n_layer, n_embd=n_embd)
+        return streams_only(model.to(args.device, torch.bfloat16) if args.device != "cpu" else model, tok, args)
     model, tok = bench_model()
     demo, demo_tok = bench_model(tok=load_chat_tokenizer("models/demo-chat")[0])
     big, big_tok = bench_model(tok=random_vocab(50257))
@@ -192,6 +201,29 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def streams_only(model, tok, args) -> None:
+    """Plain streams at each count of --streams, two runs each in alternating order, the better one kept."""
+    run_streams(model, tok, 2, 16, 8)   # warm-up (and, on a GPU, the CUDA graphs' capture for these sizes)
+    for n in args.streams:
+        run_streams(model, tok, n, 16, 8)
+    runs = {n: [] for n in args.streams}
+    for order in (args.streams, args.streams[::-1]):
+        for n in order:
+            runs[n].append(run_streams(model, tok, n, args.prompt_len, args.max_tokens))
+    best = {n: max(rs, key=lambda r: r["tokens_per_s"]) for n, rs in runs.items()}
+    bare = bare_forward_ms(model, max(args.streams), args.prompt_len + args.max_tokens // 2)
+    device = torch.cuda.get_device_name() if args.device != "cpu" else platform.machine()
+    print(f"{device}, torch {torch.__version__}, {args.prompt_len}-token prompts, {args.max_tokens} new tokens")
+    print(f"{'streams':>8}{'tokens/s':>12}{'(other run)':>12}{'TTFT p50 ms':>13}{'step ms':>9}")
+    for n, r in best.items():
+        other = min(x["tokens_per_s"] for x in runs[n])
+        print(f"{n:8}{r['tokens_per_s']:12.0f}{other:12.0f}{r['ttft_p50_ms']:13.1f}{r['step_ms'] or 0:9.2f}")
+    print(f"bare forward at batch {max(args.streams)}: {bare:.2f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "runs": runs, "bare_forward_ms": bare}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -223,10 +223,11 @@ class ChatModel:
         self.metrics = ChatMetrics(self.name)
         tok, cfg = load_chat_tokenizer(settings.checkpoint)
         self.tok, self.sequence_len = tok, cfg.sequence_len
-        self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot)
+        self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot, self.defaults.tool_format)
         start = Start(settings.checkpoint, settings.device, settings.engine, tuple(self.prompter.prefix_ids))
         self.engine = start_engine(start, on_stats=self.metrics.engine_stats, hold=settings.hold)
-        self.metrics.linear_fallback.set(1 if self.engine.linear == "torch-fallback" else 0)
+        self.fallback = 1 if self.engine.linear == "torch-fallback" else 0
+        self.metrics.linear_fallback.set(self.fallback)
         logger.info("chat model %s loaded (%s, %d rows, %s)", self.name, type(self.engine).__name__,
                     settings.engine.max_rows, getattr(self.engine, "info", None))
 
@@ -234,7 +235,8 @@ class ChatModel:
         d = self.defaults
         return {"id": self.name, "created": checkpoint_time(self.settings.checkpoint), "sequence_len": self.sequence_len,
                 "max_n": self.engine.max_rows, "vocab_size": self.tok.vocab_size,
-                "sampling_defaults": SamplingDefaults(d.temperature, d.top_k, d.top_p, d.max_tokens)}
+                "sampling_defaults": SamplingDefaults(d.temperature, d.top_k, d.top_p, d.max_tokens),
+                "tool_format": d.tool_format}
 
     def stats(self) -> dict:
         s = self.engine.stats()
@@ -252,6 +254,9 @@ class ChatModel:
     def check_health(self) -> None:
         if not self.engine.alive():
             raise RuntimeError("the chat engine has stopped")
+        # Ray's agent drops a gauge not set again within two report intervals: Serve's health check (every
+        # health_check_period_s) keeps this one a live series while the replica is up
+        self.metrics.linear_fallback.set(self.fallback)
 
     def _prompt_ids(self, request: GenerateRequest) -> tuple[list[list[int]], list[bool]]:
         """The chat template over `messages`, or the raw `prompts` of a completion (text or token ids), each

@@ -212,8 +212,9 @@ class Ingress:
         info = await self._chat_model(req.model)
         self._check_messages(req, info)
         self._check_sampling(req, req.max_completion_tokens or req.max_tokens, info)
-        gen = GenerateRequest(await self._params(req, info), messages=req.prompt_messages())
-        completion = Completion(info["id"], req.n, logprobs=req.logprobs, tools=req.tool_plan)
+        fmt = info["tool_format"]
+        gen = GenerateRequest(await self._params(req, info), messages=req.prompt_messages(fmt))
+        completion = Completion(info["id"], req.n, logprobs=req.logprobs, tools=req.tool_plan(fmt))
         return await self._generate(gen, completion, req, slot, resumable=req.n == 1)
 
     async def _text_completion(self, request: Request, slot: Slot):
@@ -272,11 +273,12 @@ class Ingress:
         """The request's SamplingParams with the chat model's defaults; a value out of range, or a structured
         output that cannot be enforced, is a 400 naming it. A grammar is checked on a worker thread (a large
         schema takes milliseconds to compile, which the event loop does not wait for)."""
-        structured = req.response_format is not None or getattr(req, "tools", None)
+        tools = getattr(req, "tools", None)
+        args = (info["sampling_defaults"], info["tool_format"]) if tools else (info["sampling_defaults"],)
         try:
-            if structured:
-                return await asyncio.to_thread(req.to_params, info["sampling_defaults"])
-            return req.to_params(info["sampling_defaults"])
+            if tools or req.response_format is not None:
+                return await asyncio.to_thread(req.to_params, *args)
+            return req.to_params(*args)
         except SamplingError as e:
             raise APIError(error(str(e), param=e.param)) from None
 

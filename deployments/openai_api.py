@@ -4,14 +4,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from functools import cached_property
 from itertools import accumulate
 from typing import Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from core.chat.grammars import GrammarError, ToolCallReader, ToolPlan, response_format_grammar, tool_plan, tools_text
+from core.chat.grammars import (GrammarError, ToolCallReader, ToolFormat, ToolPlan, response_format_grammar, tool_plan,
+                                tools_text)
 from core.chat.protocol import (MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP, MAX_TEMPERATURE,
                                 MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, Delta, SamplingDefaults, SamplingParams,
                                 ShownLogprobs, ShownToken)
@@ -184,6 +184,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool | None = None
+    _plan: ToolPlan | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _checks(self):
@@ -195,26 +196,30 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("tool_choice needs tools")
         return self
 
-    @cached_property
-    def tool_plan(self) -> ToolPlan | None:
-        """How the tools are used (None without tools); GrammarError for a choice that cannot be served."""
+    def tool_plan(self, fmt: ToolFormat | None = None) -> ToolPlan | None:
+        """How the tools are used by a model with the tool-call format `fmt` (None without tools), worked out once;
+        GrammarError for a choice that cannot be served."""
         if not self.tools:
             return None
-        plan = tool_plan([t.model_dump() for t in self.tools], self.tool_choice, self.parallel_tool_calls)
-        if plan.grammar is not None and response_format_grammar(self.response_format) is not None:
-            raise GrammarError("a reply is either tool calls or a response_format, not both: send one",
-                               "response_format")
-        return plan
+        if self._plan is None:
+            plan = tool_plan([t.model_dump() for t in self.tools], self.tool_choice, self.parallel_tool_calls, fmt)
+            if plan.grammar is not None and response_format_grammar(self.response_format) is not None:
+                raise GrammarError("a reply is either tool calls or a response_format, not both: send one",
+                                   "response_format")
+            self._plan = plan
+        return self._plan
 
-    def prompt_messages(self) -> tuple[dict, ...]:
-        """The conversation for the prompter; with tools, a system message that describes them comes first."""
+    def prompt_messages(self, fmt: ToolFormat | None = None) -> tuple[dict, ...]:
+        """The conversation for the prompter; with tools, a system message that describes them (and how to call
+        them in the format `fmt`) comes first."""
         messages = tuple(m.for_prompter() for m in self.messages)
         if self.tools:
-            messages = ({"role": "system", "content": tools_text([t.model_dump() for t in self.tools])},) + messages
+            text = tools_text([t.model_dump() for t in self.tools], fmt)
+            messages = ({"role": "system", "content": text},) + messages
         return messages
 
-    def to_params(self, defaults: SamplingDefaults) -> SamplingParams:
-        plan = self.tool_plan
+    def to_params(self, defaults: SamplingDefaults, fmt: ToolFormat | None = None) -> SamplingParams:
+        plan = self.tool_plan(fmt)
         return self._params(self.max_completion_tokens or self.max_tokens,
                             (self.top_logprobs or 0) if self.logprobs else None, defaults,
                             plan.grammar if plan else None)
@@ -283,7 +288,8 @@ class Completion:
         self.want_logprobs = logprobs
         self.logprobs: list[list[dict]] = [[] for _ in range(choices)]     # every entry so far
         self.unsent: list[list[dict]] = [[] for _ in range(choices)]       # entries no chunk has carried yet
-        # with tools called (a named function or "required"), the text is read as tool calls, never shown
+        # with tools that may be called, the text is read as tool calls (and, in a checkpoint's tool-call format,
+        # the content before them)
         self.readers = [ToolCallReader(tools) for _ in range(choices)] if tools and tools.grammar else None
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
@@ -339,9 +345,14 @@ class Completion:
         chunks = []
         if self.readers is not None:
             self.text[i] += ev.text
-            deltas = self.readers[i].feed(ev.text)
-            if deltas or self.unsent[i]:
-                chunks.append(self._choice_chunk(i, tool_calls=[self._call_delta(i, *d) for d in deltas] or None))
+            reader = self.readers[i]
+            deltas = reader.feed(ev.text)
+            if ev.finish_reason:
+                reader.finish()
+            content = reader.take_content() or None
+            if deltas or content or self.unsent[i]:
+                chunks.append(self._choice_chunk(i, content=content,
+                                                 tool_calls=[self._call_delta(i, *d) for d in deltas] or None))
         elif ev.segment == "text":
             if ev.text:
                 self.text[i] += ev.text
@@ -382,7 +393,7 @@ class Completion:
         return [self._choice_chunk(i, parts=[{"type": kind, "text": text}])]
 
     def first_chunks(self) -> list[dict]:
-        content = None if self.readers is not None else ""
+        content = "" if self.readers is None or self.readers[0].format is not None else None
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": content}, "finish_reason": None,
                               "logprobs": None}]) for i in range(len(self.text))]
 
@@ -394,7 +405,12 @@ class Completion:
         for i, text in enumerate(self.text):
             msg = {"role": "assistant", "content": text, "refusal": None}
             if self.readers is not None:
-                msg["content"], msg["tool_calls"] = None, self.tool_calls(i)
+                calls = self.tool_calls(i)
+                msg["content"] = self.readers[i].content or None
+                if calls or self.readers[i].format is None:
+                    msg["tool_calls"] = calls
+                elif not msg["content"]:
+                    msg["content"] = ""
             if any(p["type"] != "text" for p in self.parts[i]):
                 msg["parts"] = self.parts[i]
             choice = {"index": i, "message": msg, "finish_reason": self.finish[i] or "stop",

@@ -11,6 +11,7 @@ import pytest
 
 from core.chat import ChatPrompter, LLMEngine, SamplingParams
 from core.chat.weights import load_chat_model
+from core.chat.config import ToolFormat
 from core.chat.grammars import GrammarError, ToolCallReader, json_grammar, response_format_grammar, tool_plan
 from core.chat.protocol import SamplingError
 from tests.conftest import tiny_model
@@ -320,6 +321,102 @@ def test_tool_calls_and_results_render_into_the_prompt(tokenizer):
     text = tokenizer.decode(ids)
     assert '[{"name": "weather", "arguments": {"city": "paris"}}]<|assistant_end|>' in text
     assert text.endswith("<|user_start|>Result of weather: sunny<|user_end|><|assistant_start|>")
+
+
+FMT = ToolFormat("<tool_call>", "</tool_call>")
+FORMAT_TOOLS = [
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {
+        "y": {"enum": ["a", "b"]}}, "required": ["y"], "additionalProperties": False}}}]
+
+
+def read_calls(plan, text: str, seed: int) -> ToolCallReader:
+    """The reader fed `text` in random pieces, as a stream brings it."""
+    reader = ToolCallReader(plan)
+    cuts = sorted(random.Random(seed).sample(range(1, len(text)), min(6, len(text) - 1))) if len(text) > 1 else []
+    for a, b in zip([0] + cuts, cuts + [len(text)]):
+        reader.feed(text[a:b])
+    reader.finish()
+    return reader
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "g"}}])
+@pytest.mark.parametrize("parallel", [None, False])
+def test_calls_in_a_checkpoint_format_at_temperature_1(tokenizer, nanochat_model, choice, parallel):
+    """A model with a tool-call format: under "auto" it writes text, or text then calls, and every call is
+    `<tool_call>{"name": ..., "arguments": ...}</tool_call>` with arguments valid for its function; "required"
+    and a named function are calls only. The reader takes the content and the calls back out of the stream. A
+    random model decides by chance, so the 24 samples here include both kinds of reply under "auto" (the
+    opening text is pushed up with a logit bias on its first token so that calls are not rare)."""
+    fmt = ToolFormat("question", "answer")            # one token each in the test vocabulary
+    plan = tool_plan(FORMAT_TOOLS, choice, parallel, fmt)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in FORMAT_TOOLS}
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=8)
+    (opening,) = tokenizer.encode(fmt.start)
+    bias = {opening: 4.0, tokenizer.encode_special("<|assistant_end|>"): 4.0}
+    reqs = {f"s{seed}": (tokenizer.encode("call"), SamplingParams(
+        max_tokens=160, temperature=1.0, seed=seed, grammar=plan.grammar, logit_bias=bias)) for seed in range(24)}
+    kinds = set()
+    for rid, (text, finish, _) in run(engine, reqs).items():
+        reader = read_calls(plan, text, int(rid[1:]))
+        if finish == "length":
+            continue
+        assert finish == "stop"
+        if not reader.calls:
+            assert choice == "auto" and fmt.start not in text and reader.content == text
+            kinds.add("text")
+            continue
+        kinds.add("calls")
+        assert reader.complete and text == reader.content + "".join(
+            fmt.call_text(c["name"], json.loads(c["arguments"])) for c in reader.calls)
+        assert len(reader.calls) == 1 or parallel is None and choice != {"type": "function", "function": {"name": "g"}}
+        for c in reader.calls:
+            assert choice == "auto" or choice == "required" or c["name"] == "g"
+            jsonschema.validate(json.loads(c["arguments"]), schemas[c["name"]])
+        if choice != "auto":
+            assert reader.content == ""
+    assert "calls" in kinds and (choice != "auto" or "text" in kinds), kinds
+
+
+def test_the_format_reader_holds_back_what_may_open_a_call():
+    plan = tool_plan(FORMAT_TOOLS, "auto", None, FMT)
+    reader = ToolCallReader(plan)
+    assert reader.feed("I will check <tool") == [] and reader.take_content() == "I will check "
+    assert reader.feed("s are fun") == [] and reader.take_content() == "<tools are fun"
+    reader = ToolCallReader(plan)
+    reader.feed("Let me see <tool_call>{\"name\": \"f\", \"arguments\": {\"x\": ")
+    assert reader.take_content() == "Let me see " and reader.calls == [{"name": "f", "arguments": '{"x": '}]
+    assert not reader.complete
+    reader.feed("3}}</tool_")
+    assert not reader.complete
+    reader.feed("call>")
+    assert reader.complete and reader.calls[0]["arguments"] == '{"x": 3}' and reader.take_content() == ""
+    ending = ToolCallReader(plan)
+    ending.feed("a <")
+    ending.finish()              # the text ended on what looked like an opening: it was content
+    assert ending.content == "a <" and not ending.complete
+
+
+def test_a_checkpoint_format_in_prompts_and_plans(tokenizer):
+    """History calls render in the format; "none" stays text; a bad format in chat.json is refused."""
+    from core.chat.config import ChatDefaults, CheckpointError
+
+    prompter = ChatPrompter(tokenizer, 512, tool_format=FMT)
+    messages = [{"role": "user", "content": "weather in paris"},
+                {"role": "assistant", "content": "Checking.", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    text = tokenizer.decode(prompter.render(messages, 16).ids)
+    assert 'Checking.<tool_call>{"name": "weather", "arguments": {"city": "paris"}}</tool_call><|assistant_end|>' in text
+    assert tool_plan(FORMAT_TOOLS, "none", None, FMT).grammar is None
+    assert tool_plan(FORMAT_TOOLS, None, None, FMT).mode == "auto"
+    with pytest.raises(GrammarError, match="'h'"):
+        tool_plan(FORMAT_TOOLS, {"type": "function", "function": {"name": "h"}}, None, FMT)
+    assert ChatDefaults.from_dict({"tool_call": {"start": "<a>", "end": "</a>"}}).tool_format == ToolFormat("<a>", "</a>")
+    for bad in ({"start": "<a>"}, {"start": "{", "end": "}"}, {"start": "", "end": "x"}, "<a>"):
+        with pytest.raises(CheckpointError, match="tool_call"):
+            ChatDefaults.from_dict({"tool_call": bad})
 
 
 def test_a_prefix_cache_hit_changes_nothing(tokenizer, nanochat_model):

@@ -5,6 +5,7 @@ see different questions drawn from the same distribution.
 """
 from __future__ import annotations
 
+import json
 import random
 
 CAPITALS = {
@@ -71,6 +72,100 @@ def greeting_turn(rng, follow=False):
     return q, [{"type": "text", "text": a}], a
 
 
+# ---- function tools and JSON replies (the checkpoint's tool-call format: TOOL_FORMAT)
+TOOL_FORMAT = {"start": "<tool_call>", "end": "</tool_call>"}
+TOOLS = {   # name -> (descriptions, parameter, question templates, answer template)
+    "get_weather": (["Get the current weather in a city.", "Look up the weather for a city.", ""], "city",
+                    ["What is the weather in {x}?", "How is the weather in {x} today?", "Is it raining in {x}?",
+                     "weather in {x}?", "What's the weather like in {x}?", "Tell me the weather in {x}."],
+                    "The weather in {x} is {r}."),
+    "get_population": (["Get the population of a country.", "Look up how many people live in a country.", ""],
+                       "country", ["What is the population of {x}?", "How many people live in {x}?",
+                                   "Population of {x}?", "How big is the population of {x}?"],
+                       "The population of {x} is {r}."),
+    "get_time": (["Get the local time in a city.", "Look up the current time in a city.", ""], "city",
+                 ["What time is it in {x}?", "What is the local time in {x}?", "Tell me the time in {x}.",
+                  "time in {x}?"], "The time in {x} is {r}."),
+}
+WEATHER = ["sunny", "cloudy", "raining", "snowing", "windy", "foggy", "clear", "stormy"]
+NO_TOOL = "I have no tool for that."
+JSON_KEYS = [("country", "capital"), ("capital",), ("city",), ("name",), ("country", "city"), ("capital", "country")]
+JSON_ASK = [" Answer in JSON.", " Reply as JSON.", " Give it as JSON with keys {keys}.",
+            " Reply in JSON with the keys {keys}.", " JSON please, keys {keys}."]
+
+
+def tool_definition(rng: random.Random, name: str) -> dict:
+    """An OpenAI function tool, its schema in one of the layouts clients send (ours, or LangChain's key order)."""
+    descriptions, param, _, _ = TOOLS[name]
+    prop = {"type": "string"}
+    if rng.random() < 0.3:
+        prop = {"description": f"the {param}", "type": "string"}
+    schema = ({"type": "object", "properties": {param: prop}, "required": [param]} if rng.random() < 0.5 else
+              {"properties": {param: prop}, "required": [param], "type": "object"})
+    fn = {"name": name, "parameters": schema}
+    description = rng.choice(descriptions)
+    if description:
+        fn["description"] = description
+    return {"type": "function", "function": fn}
+
+
+def tool_result(rng: random.Random, name: str) -> str:
+    if name == "get_weather":
+        return f"{rng.choice(WEATHER)}, {rng.randint(-10, 35)} C"
+    if name == "get_population":
+        return f"{rng.randint(1, 300)}.{rng.randint(0, 9)} million"
+    return f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
+
+
+def tool_question(rng: random.Random, name: str) -> tuple[str, str]:
+    """(question, its argument) for tool `name`."""
+    _, param, templates, _ = TOOLS[name]
+    x = rng.choice(list(CAPITALS)) if param == "country" else CAPITALS[rng.choice(list(CAPITALS))]
+    return rng.choice(templates).format(x=x), x
+
+
+def tool_conversation(rng: random.Random) -> tuple[list[dict], list[dict], str]:
+    """(tools offered, messages ending with an assistant turn, kind): a question one of the tools answers
+    ("tool": the call, its result, the answer from it), a question none answers ("no_tool"), or one the model
+    knows itself ("fact", "greet")."""
+    names = rng.sample(list(TOOLS), rng.randint(1, len(TOOLS)))
+    tools = [tool_definition(rng, n) for n in names]
+    kind = rng.choices(["tool", "no_tool", "fact", "greet"], weights=[6, 1, 2, 1])[0]
+    if kind == "tool":
+        name = rng.choice(names)
+        q, x = tool_question(rng, name)
+        r = tool_result(rng, name)
+        call = {"id": f"call_{rng.randrange(10 ** 6)}", "type": "function",
+                "function": {"name": name, "arguments": json.dumps({TOOLS[name][1]: x})}}
+        msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": r},
+                {"role": "assistant", "content": TOOLS[name][3].format(x=x, r=r)}]
+        return tools, msgs, kind
+    if kind == "no_tool":
+        q, _ = tool_question(rng, rng.choice([n for n in TOOLS if n not in names] or list(TOOLS)))
+        if all(n in names for n in TOOLS):
+            kind, (q, parts, _) = "fact", fact_turn(rng)
+            return tools, [{"role": "user", "content": q}, {"role": "assistant", "content": parts}], kind
+        return tools, [{"role": "user", "content": q}, {"role": "assistant", "content": NO_TOOL}], kind
+    q, parts, _ = (fact_turn if kind == "fact" else greeting_turn)(rng)
+    return tools, [{"role": "user", "content": q}, {"role": "assistant", "content": parts}], kind
+
+
+def json_reply(keys: tuple[str, ...], country: str) -> str:
+    """A capital question's answer as JSON (the service's layout): a key naming the country gets the country,
+    every other key the capital."""
+    return json.dumps({k: country if k == "country" else CAPITALS[country] for k in keys})
+
+
+def json_conversation(rng: random.Random) -> list[dict]:
+    """A capital question asking for JSON, answered in it."""
+    country = rng.choice(list(CAPITALS))
+    keys = rng.choice(JSON_KEYS)
+    ask = rng.choice(JSON_ASK).format(keys=" and ".join(keys))
+    q = rng.choice(FACT_TEMPLATES).format(c=country) + ask
+    return [{"role": "user", "content": q}, {"role": "assistant", "content": json_reply(keys, country)}]
+
+
 def conversation(rng: random.Random) -> tuple[list[dict], str]:
     """A conversation ending with an assistant turn, and the kind of its last question."""
     turns = rng.choice([1, 1, 2, 2, 3])
@@ -97,14 +192,42 @@ def eval_questions(seed: int, n: int, kind: str) -> list[tuple[list[dict], str]]
     return out
 
 
+def tool_eval_questions(seed: int, n: int) -> list[tuple[list[dict], list[dict], str | None, str]]:
+    """Held-out tool questions: (tools, messages ending with the user's question, the tool that fits or None,
+    its argument or the capital the plain answer must contain)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        names = rng.sample(list(TOOLS), rng.randint(1, len(TOOLS)))
+        tools = [tool_definition(rng, name) for name in names]
+        if rng.random() < 0.75:
+            name = rng.choice(names)
+            q, x = tool_question(rng, name)
+            out.append((tools, [{"role": "user", "content": q}], name, x))
+        else:
+            q, _, capital = fact_turn(rng)
+            out.append((tools, [{"role": "user", "content": q}], None, capital))
+    return out
+
+
 def chat_corpus_text(n: int = 4000, seed: int = 0) -> list[str]:
     """Plain text of generated conversations, for training the tokenizer."""
+    from core.chat.config import ToolFormat
+    from core.chat.grammars import tools_text
+    from core.chat.prompter import calls_text
+
     rng = random.Random(seed)
+    fmt = ToolFormat(**TOOL_FORMAT)
     texts = []
-    for _ in range(n):
+    for i in range(n):
         msgs, _ = conversation(rng)
+        if i % 3 == 0:       # the tools' descriptions, calls and JSON replies too
+            tools, tool_msgs, _ = tool_conversation(rng)
+            texts.append(tools_text(tools, fmt))
+            msgs = msgs + tool_msgs + json_conversation(rng)
         for m in msgs:
-            texts.append(m["content"] if isinstance(m["content"], str) else " ".join(p["text"] for p in m["content"]))
+            content = m["content"] if isinstance(m["content"], str) else " ".join(p["text"] for p in m["content"])
+            texts.append(content + (calls_text(m["tool_calls"], fmt) if m.get("tool_calls") else ""))
     return texts
 
 

@@ -22,7 +22,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from core.chat import ChatDefaults, ChatModelConfig, ChatPrompter, build_model, save_chat_model
+from core.chat import ChatDefaults, ChatModelConfig, ChatPrompter, build_model, load_chat_model, save_chat_model
+from core.chat.config import ToolFormat
+from core.chat.grammars import tools_text
 from core.chat.model import init_weights
 from core.chat.tokenizer import train_tokenizer
 from tools import demo_data as D
@@ -47,14 +49,18 @@ def optimizer_step(opt, model, loss, step: int, steps: int, peak: float) -> None
     opt.step()
 
 
-def render_training(prompter: ChatPrompter, msgs: list[dict]) -> tuple[list[int], list[int]]:
-    """ids of prefix + conversation, and a mask of the tokens the model must learn to produce."""
+def render_training(prompter: ChatPrompter, msgs: list[dict], tools: list[dict] | None = None
+                    ) -> tuple[list[int], list[int]]:
+    """ids of prefix + conversation, and a mask of the tokens the model must learn to produce. With `tools`,
+    the first user turn starts with their description, as the service's prompt shows it (grammars.tools_text)."""
     tok = prompter.tok
     forced = {tok.encode_special("<|output_start|>"), tok.encode_special("<|output_end|>")}
     ids, mask = list(prompter.prefix_ids), [0] * len(prompter.prefix_ids)
+    system = tools_text(tools, prompter.tool_format) if tools else ""
+    called = {c["id"]: c["function"]["name"] for m in msgs for c in m.get("tool_calls") or ()}
     for i, m in enumerate(msgs):
-        turn = prompter._turn(m, f"messages[{i}]")
-        if m["role"] == "user":
+        turn = prompter._turn(m, f"messages[{i}]", system if i == 0 else "", called)
+        if m["role"] in ("user", "tool"):
             ids += turn
             mask += [0] * len(turn)
             continue
@@ -70,30 +76,67 @@ def render_training(prompter: ChatPrompter, msgs: list[dict]) -> tuple[list[int]
     return ids, mask
 
 
-def train_chat(out: str, steps: int, seed: int = 0, batch: int = 32) -> None:
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    tok = train_tokenizer(D.chat_corpus_text(seed=seed), 2048)
-    cfg = ChatModelConfig(arch="nanochat", vocab_size=tok.vocab_size, n_layer=4, n_head=4, n_kv_head=4, n_embd=128,
-                          sequence_len=512)
-    model = init_weights(build_model(cfg), seed=seed, std=0.02).train()
-    prompter = ChatPrompter(tok, cfg.sequence_len, FEWSHOT)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+def chat_example(rng: random.Random, tools_share: float) -> tuple[list[dict], list[dict] | None]:
+    """One training conversation and the tools it offers (None): with probability `tools_share` a tool
+    conversation (D.tool_conversation), with half that a JSON reply, else phase 1's conversations."""
+    u = rng.random()
+    if u < tools_share:
+        tools, msgs, _ = D.tool_conversation(rng)
+        return msgs, tools
+    if u < 1.5 * tools_share:
+        return D.json_conversation(rng), None
+    return D.conversation(rng)[0], None
+
+
+def chat_phase(model, prompter, rng, steps: int, peak: float, tools_share: float, batch: int = 32) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=peak, betas=(0.9, 0.95), weight_decay=0.0)
     t0 = time.time()
     for step in range(steps):
-        seqs = [render_training(prompter, D.conversation(rng)[0]) for _ in range(batch)]
-        T = max(len(s) for s, _ in seqs)
-        ids = torch.zeros(batch, T, dtype=torch.long)
-        mask = torch.zeros(batch, T)
-        for b, (s, m) in enumerate(seqs):
-            ids[b, :len(s)], mask[b, :len(m)] = torch.tensor(s), torch.tensor(m, dtype=torch.float)
-        logits = model(ids[:, :-1])
-        loss_all = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
-        loss = (loss_all * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
-        optimizer_step(opt, model, loss, step, steps, 3e-3)
-        if step % 100 == 0 or step == steps - 1:
-            logger.info("chat step %d/%d loss %.4f (%.0fs)", step, steps, loss.item(), time.time() - t0)
-    defaults = ChatDefaults(fewshot=FEWSHOT, temperature=0.0, top_k=None, top_p=1.0, max_tokens=64)
+        # batches cut from a pool sorted by length, so that a short conversation is not padded to a tool one's
+        pool = sorted((render_training(prompter, *chat_example(rng, tools_share)) for _ in range(batch * POOL)),
+                      key=lambda x: len(x[0]))
+        for k in range(POOL):
+            seqs = pool[k * batch:(k + 1) * batch]
+            T = max(len(s) for s, _ in seqs)
+            ids = torch.zeros(batch, T, dtype=torch.long)
+            mask = torch.zeros(batch, T)
+            for b, (s, m) in enumerate(seqs):
+                ids[b, :len(s)], mask[b, :len(m)] = torch.tensor(s), torch.tensor(m, dtype=torch.float)
+            logits = model(ids[:, :-1])
+            loss_all = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1),
+                                       reduction="none")
+            loss = (loss_all * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
+            optimizer_step(opt, model, loss, step * POOL + k, steps * POOL, peak)
+        if step % 20 == 0 or step == steps - 1:
+            logger.info("chat step %d/%d loss %.4f (%.0fs)", (step + 1) * POOL, steps * POOL, loss.item(),
+                        time.time() - t0)
+
+
+# Chat training runs in phases of (steps, peak learning rate, share of tool conversations): the first learns the
+# conversations (greetings, capitals, the calculator); the second adds tool calls in the checkpoint's format and
+# JSON replies, with the first phase's conversations still in the mix so that they are not forgotten.
+CHAT_PHASES = [(4000, 3e-3, 0.0), (1600, 1e-3, 0.4)]
+
+
+def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None = None) -> None:
+    """Train from scratch, or with `resume` (a checkpoint of the first phase) only the later phases on it."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    fmt = ToolFormat(**D.TOOL_FORMAT)
+    if resume:
+        model, tok, cfg = load_chat_model(resume, device="cpu")
+        model = model.float().train()
+        phases = phases[1:]
+    else:
+        tok = train_tokenizer(D.chat_corpus_text(seed=seed), 2048)
+        cfg = ChatModelConfig(arch="nanochat", vocab_size=tok.vocab_size, n_layer=4, n_head=4, n_kv_head=4,
+                              n_embd=128, sequence_len=512)
+        model = init_weights(build_model(cfg), seed=seed, std=0.02).train()
+    prompter = ChatPrompter(tok, cfg.sequence_len, FEWSHOT, fmt)
+    for steps, peak, tools_share in phases:
+        chat_phase(model, prompter, rng, max(1, steps // POOL), peak, tools_share)
+    defaults = ChatDefaults(fewshot=FEWSHOT, temperature=0.0, top_k=None, top_p=1.0, max_tokens=64,
+                            tool_call=dict(D.TOOL_FORMAT))
     save_chat_model(out, model.eval(), tok, defaults, dtype=torch.bfloat16)
 
 
@@ -185,10 +228,15 @@ def main() -> None:
     p.add_argument("--out")
     p.add_argument("--steps", type=int)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", help="chat: a checkpoint of the first phase; only the later phases run on it")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.which == "chat":
-        train_chat(args.out or "models/demo-chat", args.steps or DEFAULT_STEPS["chat"], args.seed)
+        phases = CHAT_PHASES
+        if args.steps:   # scale every phase to the given total
+            total = sum(phase[0] for phase in phases)
+            phases = [(max(1, steps * args.steps // total), peak, share) for steps, peak, share in phases]
+        train_chat(args.out or "models/demo-chat", phases, args.seed, args.resume)
     else:
         phases = DECISION_PHASES
         if args.steps:   # scale every phase to the given total
@@ -197,7 +245,6 @@ def main() -> None:
         train_decision(args.out or "models/demo-decision", phases, args.seed)
 
 
-DEFAULT_STEPS = {"chat": 4000}   # about 25 minutes on a 2-core CPU; decision: DECISION_PHASES, about 34
 
 if __name__ == "__main__":
     main()

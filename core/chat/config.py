@@ -60,15 +60,32 @@ class ChatModelConfig:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class ToolFormat:
+    """A checkpoint's tool-call format: a call is `start`, then `{"name": ..., "arguments": {...}}` in
+    grammars.JSON_LAYOUT, then `end` (Hermes-style models: `<tool_call>` and `</tool_call>`)."""
+
+    start: str
+    end: str
+
+    def call_text(self, name: str, arguments) -> str:
+        return f"{self.start}{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}{self.end}"
+
+
 @dataclass
 class ChatDefaults:
-    """chat.json: few-shot priming turns and default sampling values."""
+    """chat.json: few-shot priming turns, default sampling values and the model's tool-call format."""
 
     fewshot: list[dict] = field(default_factory=list)   # [{"role": "user"|"assistant", "content": str}, ...]
     temperature: float = 0.6
     top_k: int | None = 50
     top_p: float = 1.0
     max_tokens: int = 256
+    tool_call: dict | None = None      # {"start": text, "end": text}: ToolFormat
+
+    @property
+    def tool_format(self) -> "ToolFormat | None":
+        return ToolFormat(**self.tool_call) if self.tool_call else None
 
     @classmethod
     def from_dict(cls, data: dict) -> "ChatDefaults":
@@ -80,6 +97,11 @@ class ChatDefaults:
         for i, turn in enumerate(out.fewshot):
             if turn.get("role") not in ("user", "assistant") or not isinstance(turn.get("content"), str):
                 raise CheckpointError(f"chat.json: fewshot[{i}] needs role user|assistant and a string content")
+        fmt = out.tool_call
+        if fmt is not None and (not isinstance(fmt, dict) or set(fmt) != {"start", "end"} or not all(
+                isinstance(v, str) and v and not set(v) & set('{}[]"') for v in fmt.values())):
+            raise CheckpointError('chat.json: tool_call must be {"start": text, "end": text}, two non-empty texts '
+                                  'without braces, brackets or quotes')
         return out
 
     def to_dict(self) -> dict:

@@ -10,6 +10,14 @@ The engine enforces a grammar token by token (constrained.py); this module decid
 - `tools` with `tool_choice: "required"` -> a JSON array of calls, `[{"name": ..., "arguments": {...}}, ...]`,
   each item one of the functions (at most one item with `parallel_tool_calls: false`).
 
+A checkpoint that declares a tool-call format (chat.json `tool_call`, a `ToolFormat`: text that opens a call and
+text that closes it, as Hermes-style models write `<tool_call>{...}</tool_call>`) gets its calls in that format
+instead, and `tool_choice: "auto"` too: free text that never contains the opening text, or free text up to the
+first opening text and from there calls only, each `{"name": ..., "arguments": {...}}` of one of the functions
+(one call with `parallel_tool_calls: false`). "required" is calls only, a named function one call of it. The
+grammar is a Lark one (llguidance's dialect): the text before a call is a lazy lexeme ending at the opening text,
+so the model writes freely until it starts a call and is held to the schemas from there on.
+
 JSON is written in one layout, Python's `json.dumps` one (`{"a": 1, "b": [2, 3]}`: ", " between items, ": "
 after keys, no other whitespace), and object keys in the schema's order. A fixed layout keeps a model from
 spending its tokens on whitespace (a known way for JSON mode to run to the length limit) and lets a stream of
@@ -25,6 +33,7 @@ from dataclasses import dataclass
 
 import llguidance
 
+from .config import ToolFormat
 from .protocol import SamplingError
 
 # llguidance's JSON compile options: the fixed layout described above
@@ -86,12 +95,14 @@ def response_format_grammar(fmt: dict | None) -> str | None:
 # ---- tools
 @dataclass(frozen=True)
 class ToolPlan:
-    """How a request's tools are used: `mode` "named" (one call of `names[0]`, the text is its arguments),
-    "required" (the text is a JSON array of calls), or "none" (text; the tools are only described)."""
+    """How a request's tools are used: `mode` "named" (one call of `names[0]`), "required" (one or more calls),
+    "auto" (text, calls, or text then calls: only with a `format`) or "none" (text; the tools are only
+    described). Without a format a named call's text is its arguments and required calls are a JSON array."""
 
     mode: str
     names: tuple[str, ...]
     grammar: str | None
+    format: ToolFormat | None = None
 
 
 AUTO_REFUSED = ("tool_choice \"auto\" (the default when tools are sent) lets the model decide whether to call a "
@@ -100,17 +111,20 @@ AUTO_REFUSED = ("tool_choice \"auto\" (the default when tools are sent) lets the
                 "that function), or \"none\" (a text reply)")
 
 
-def tool_plan(tools: list[dict], tool_choice, parallel: bool | None) -> ToolPlan:
-    """The plan for `tools` (OpenAI function tools, already shape-checked) under `tool_choice`; GrammarError for
-    a choice that cannot be served or a `parameters` schema that cannot be enforced."""
+def tool_plan(tools: list[dict], tool_choice, parallel: bool | None, fmt: ToolFormat | None = None) -> ToolPlan:
+    """The plan for `tools` (OpenAI function tools, already shape-checked) under `tool_choice`, for a model with
+    the tool-call format `fmt` (or none); GrammarError for a choice that cannot be served or a `parameters`
+    schema that cannot be enforced."""
     names = tuple(t["function"]["name"] for t in tools)
     if len(set(names)) != len(names):
         raise GrammarError("tools must have distinct function names", "tools")
     params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    if tool_choice == "none":
+        return ToolPlan("none", names, None, fmt)
+    if fmt is not None:
+        return _format_plan(tools, params, tool_choice, parallel, fmt)
     if tool_choice is None or tool_choice == "auto":
         raise GrammarError(AUTO_REFUSED, "tool_choice")
-    if tool_choice == "none":
-        return ToolPlan("none", names, None)
     if tool_choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": params[n]},
                   "required": ["name", "arguments"], "additionalProperties": False} for n in names]
@@ -123,15 +137,63 @@ def tool_plan(tools: list[dict], tool_choice, parallel: bool | None) -> ToolPlan
         except GrammarError:
             _name_the_tool(tools, params)
             raise
+    name = _named(tool_choice, names)
+    i = names.index(name)
+    return ToolPlan("named", (name,), json_grammar(params[name], f"tools[{i}].function.parameters"))
+
+
+def _named(tool_choice, names: tuple[str, ...]) -> str:
+    """The function a `tool_choice` object names; GrammarError for anything else."""
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
-        if name not in params:
+        if name not in names:
             raise GrammarError(f"tool_choice names {name!r}, which is not among the tools {list(names)}",
                                "tool_choice")
-        i = names.index(name)
-        return ToolPlan("named", (name,), json_grammar(params[name], f"tools[{i}].function.parameters"))
+        return name
     raise GrammarError("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                        "\"function\": {\"name\": ...}}", "tool_choice")
+
+
+# Rust regex's metacharacters (llguidance's regexes are the regex crate's): escaped in a literal
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def _regex_literal(text: str) -> str:
+    return "".join("\\" + c if c in _REGEX_META else c for c in text).replace("\n", "\\n").replace("/", "\\/")
+
+
+def _format_plan(tools: list[dict], params: dict, tool_choice, parallel: bool | None, fmt: ToolFormat) -> ToolPlan:
+    """The Lark grammar of calls in the checkpoint's format (module docstring)."""
+    names = tuple(params)
+    if tool_choice is None or tool_choice == "auto":
+        mode, allowed = "auto", names
+    elif tool_choice == "required":
+        mode, allowed = "required", names
+    else:
+        mode = "named"
+        allowed = (_named(tool_choice, names),)
+    for i, t in enumerate(tools):      # each function's parameters alone first, so that an error names its tool
+        if t["function"]["name"] in allowed:
+            json_grammar(params[t["function"]["name"]], f"tools[{i}].function.parameters")
+    calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": params[n]},
+              "required": ["name", "arguments"], "additionalProperties": False} for n in allowed]
+    body = {"x-guidance": JSON_LAYOUT, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
+    more = "" if parallel is False or mode == "named" else " (START body END)*"
+    start, end = json.dumps(fmt.start), json.dumps(fmt.end)
+    lines = ["%llguidance {}"]
+    if mode == "auto":
+        text = _regex_literal(fmt.start)
+        lines += [f"start: PLAIN | before body END{more}",
+                  f"PLAIN: /(.|\\n)*/ & ~/(.|\\n)*{text}(.|\\n)*/",
+                  f"before[lazy]: /(.|\\n)*{text}/"]
+    else:
+        lines += [f"start: START body END{more}"]
+    lines += [f"body: %json {json.dumps(body)}", f"START: {start}", f"END: {end}"]
+    grammar = llguidance.grammar_from("lark", "\n".join(lines))
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error or messages:
+        raise GrammarError(f"tools cannot be enforced: {_short(messages[0])}", "tools")
+    return ToolPlan(mode, allowed, grammar, fmt)
 
 
 def _name_the_tool(tools: list[dict], params: dict) -> None:
@@ -141,9 +203,9 @@ def _name_the_tool(tools: list[dict], params: dict) -> None:
         json_grammar(params[t["function"]["name"]], f"tools[{i}].function.parameters")
 
 
-def tools_text(tools: list[dict]) -> str:
+def tools_text(tools: list[dict], fmt: ToolFormat | None = None) -> str:
     """The tools as the prompt describes them (a system text): one line per function with its description, then
-    its parameters' schema as JSON."""
+    its parameters' schema as JSON; with a tool-call format, a last line that shows a call in it."""
     lines = ["Functions you can call:"]
     for t in tools:
         f = t["function"]
@@ -152,20 +214,26 @@ def tools_text(tools: list[dict]) -> str:
             line += f": {f['description']}"
         lines.append(line)
         lines.append(f"  parameters: {json.dumps(f.get('parameters') or {'type': 'object'}, ensure_ascii=False)}")
+    if fmt is not None:
+        lines.append(f"To call one, write {fmt.call_text('name', {'parameter': 'value'})}")
     return "\n".join(lines)
 
 
 class ToolCallReader:
     """Reads tool calls out of constrained text as it streams: `feed(text)` -> deltas `(index, name or None,
-    arguments fragment)`, the first delta of a call carrying its name. In "named" mode the whole text is the
-    arguments of one call. In "required" mode the text is the grammar's array, `[{"name": "f", "arguments": ...},
-    ...]`: the layout is fixed and "arguments" is the last key, so a call's arguments are every character from
-    after `"arguments": ` to the `}` that closes the call, found by following nesting outside strings."""
+    arguments fragment)`, the first delta of a call carrying its name. In "named" mode without a format the whole
+    text is the arguments of one call. In "required" mode without one the text is the grammar's array,
+    `[{"name": "f", "arguments": ...}, ...]`: the layout is fixed and "arguments" is the last key, so a call's
+    arguments are every character from after `"arguments": ` to the `}` that closes the call, found by following
+    nesting outside strings. With a format, each call object is read the same way between the format's opening
+    and closing texts, and the text before the first call is content (`take_content`), held back while it
+    could still be the start of an opening text."""
 
     _KEY = '"arguments": '
 
     def __init__(self, plan: ToolPlan):
-        self.named = plan.mode == "named"
+        self.format = plan.format
+        self.named = plan.mode == "named" and self.format is None
         self.calls: list[dict] = [{"name": plan.names[0], "arguments": ""}] if self.named else []
         self._announced = 0       # calls whose name a delta has carried
         self._depth = 0           # 1 inside the array, 2 inside a call object, more inside its arguments
@@ -173,12 +241,25 @@ class ToolCallReader:
         self._head = ""           # a call object's text before its arguments
         self._fresh: dict[int, str] = {}     # arguments text added by the current feed, per call, in order
         self._closed = False                 # required mode: the array of calls has closed
+        # with a format: "text" (before any call), "call" (inside a call object), "between" (after a call)
+        self._where = "text"
+        self._pending = ""                   # text not yet resolved: content or the start of an opening text
+        self.content = ""                    # the text before the first call
+        self._content_sent = 0
+
+    def take_content(self) -> str:
+        """Content added since the last call (with a format; always "" without)."""
+        new = self.content[self._content_sent:]
+        self._content_sent = len(self.content)
+        return new
 
     def feed(self, text: str) -> list[tuple[int, str | None, str]]:
         if self.named:
             if text:
                 self.calls[0]["arguments"] += text
                 self._fresh[0] = text
+        elif self.format is not None:
+            self._feed_format(text)
         else:
             for ch in text:
                 self._char(ch)
@@ -191,9 +272,36 @@ class ToolCallReader:
         self._fresh = {}
         return out
 
+    def finish(self) -> None:
+        """The text ended: what was held back as a possible opening text is content after all."""
+        if self._where == "text":
+            self.content += self._pending
+            self._pending = ""
+
+    def _feed_format(self, text: str) -> None:
+        start = self.format.start
+        for ch in text:
+            if self._where == "call":
+                self._char(ch)
+                if self._depth == 1:                     # the call object closed
+                    self._where, self._pending = "between", ""
+                continue
+            self._pending += ch
+            if self._pending.endswith(start):
+                if self._where == "text":
+                    self.content += self._pending[:-len(start)]
+                self._where, self._pending, self._depth = "call", "", 1
+            elif self._where == "text":
+                keep = next((k for k in range(min(len(start) - 1, len(self._pending)), 0, -1)
+                             if start.startswith(self._pending[-k:])), 0)
+                self.content += self._pending[:len(self._pending) - keep]
+                self._pending = self._pending[len(self._pending) - keep:]
+
     @property
     def complete(self) -> bool:
         """Whether the text so far is whole calls (not cut by a length limit or a stop string)."""
+        if self.format is not None:
+            return bool(self.calls) and self._where == "between" and self._pending == self.format.end
         if not self.named:
             return self._closed
         try:

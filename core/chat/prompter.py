@@ -8,9 +8,10 @@ A user turn is `<|user_start|> text <|user_end|>`. An assistant turn is `<|assis
 `{"type": "python_output"}` (its result, in <|output_start|>..<|output_end|>), so a client can send
 a tool-using reply back in the history.
 
-Function tools (OpenAI's `tools`; the model has no format of its own for them): an assistant turn that carries
-`tool_calls` shows its text, then the calls as `[{"name": ..., "arguments": {...}}]` (the layout
-`tool_choice: "required"` generates, grammars.py); a `tool` message (a call's result) is a user turn,
+Function tools (OpenAI's `tools`): an assistant turn that carries `tool_calls` shows its text, then each call in
+the checkpoint's tool-call format (`ToolFormat`, e.g. `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`),
+or, for a model without one, the calls as `[{"name": ..., "arguments": {...}}]` (the layout
+`tool_choice: "required"` generates then, grammars.py); a `tool` message (a call's result) is a user turn,
 `Result of <function>: <content>`, the function named by the call its `tool_call_id` answers. A conversation
 may end with tool results instead of a user turn, as an agent's loop sends it.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from .config import ToolFormat
 from .tokenizer import ChatTokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -53,9 +55,11 @@ class Prompt:
 
 
 class ChatPrompter:
-    def __init__(self, tokenizer: ChatTokenizer, sequence_len: int, fewshot: list[dict] | None = None):
+    def __init__(self, tokenizer: ChatTokenizer, sequence_len: int, fewshot: list[dict] | None = None,
+                 tool_format: ToolFormat | None = None):
         self.tok = tokenizer
         self.sequence_len = sequence_len
+        self.tool_format = tool_format
         t = tokenizer.encode_special
         self.bos, self.user_start, self.user_end = t("<|bos|>"), t("<|user_start|>"), t("<|user_end|>")
         self.assistant_start, self.assistant_end = t("<|assistant_start|>"), t("<|assistant_end|>")
@@ -98,7 +102,7 @@ class ChatPrompter:
             else:
                 ids += [self.tok.encode_special(wrap[0]), *self.tok.encode(text), self.tok.encode_special(wrap[1])]
         if msg.get("tool_calls"):
-            ids += self.tok.encode(calls_text(msg["tool_calls"]))
+            ids += self.tok.encode(calls_text(msg["tool_calls"], self.tool_format))
         return ids + [self.assistant_end]
 
     def render(self, messages: list[dict], max_new_tokens: int) -> Prompt:
@@ -146,9 +150,10 @@ class ChatPrompter:
         return Prompt(ids, k)
 
 
-def calls_text(calls: list[dict]) -> str:
-    """An assistant's tool calls as its turn shows them: `[{"name": ..., "arguments": {...}}]`, the layout of
-    grammars.JSON_LAYOUT (arguments that are not valid JSON are kept as a string)."""
+def calls_text(calls: list[dict], fmt: ToolFormat | None = None) -> str:
+    """An assistant's tool calls as its turn shows them: each in the tool-call format `fmt`, or without one
+    `[{"name": ..., "arguments": {...}}]`; the layout of grammars.JSON_LAYOUT (arguments that are not valid JSON
+    are kept as a string)."""
     items = []
     for c in calls:
         args = c["function"].get("arguments") or "{}"
@@ -157,4 +162,6 @@ def calls_text(calls: list[dict]) -> str:
         except ValueError:
             parsed = args
         items.append({"name": c["function"]["name"], "arguments": parsed})
+    if fmt is not None:
+        return "".join(fmt.call_text(c["name"], c["arguments"]) for c in items)
     return json.dumps(items, ensure_ascii=False)

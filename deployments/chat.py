@@ -251,6 +251,25 @@ class ChatModel:
         """Token ids as text, without <|bos|> (a completion's echo of a token-id prompt)."""
         return self.tok.decode([i for i in ids if i != self.tok.bos_id])
 
+    def tokenize(self, messages: tuple[dict, ...] | None, prompt: str | None, bos: bool, generation_prompt: bool,
+                 token_strs: bool) -> dict:
+        """/tokenize: the ids the chat template gives `messages` (the prompt of a request with max_tokens 1,
+        history cut to fit as there; without the closing <|assistant_start|> if not `generation_prompt`), or the
+        ids of `prompt` (after <|bos|> if `bos`). -> {"tokens", "token_strs"}, or {"error", "param"}."""
+        if messages is not None:
+            try:
+                ids = self.prompter.render(list(messages), 1).ids
+            except PromptError as e:
+                return {"error": str(e), "param": e.param}
+            ids = ids if generation_prompt else ids[:-1]
+        else:
+            ids = ([self.tok.bos_id] if bos else []) + self.tok.encode(prompt)
+        return {"tokens": ids, "token_strs": [self.tok.decode([i]) for i in ids] if token_strs else None}
+
+    def decode(self, ids: list[int]) -> str:
+        """/detokenize: token ids as text, special tokens by name."""
+        return self.tok.decode(ids)
+
     def check_health(self) -> None:
         if not self.engine.alive():
             raise RuntimeError("the chat engine has stopped")

@@ -10,7 +10,6 @@ from core.chat.protocol import StreamError
 
 from .admission import Slot
 from .errors import APIError, error
-from .openai_api import Completion, sse
 from .resume import ChatStream
 
 logger = logging.getLogger(__name__)
@@ -18,7 +17,7 @@ logger = logging.getLogger(__name__)
 INTERRUPTED = error("the chat stream was interrupted by a server fault; retry the request", "server_error")
 
 
-async def respond(stream: ChatStream, completion: Completion, streamed: bool, include_usage: bool, slot: Slot):
+async def respond(stream: ChatStream, completion, streamed: bool, include_usage: bool, slot: Slot):
     """Start `stream` (retried while no replica answers); a refusal is raised as an APIError. Then an SSE
     response that takes `slot` along, or the gathered response."""
     try:
@@ -47,21 +46,23 @@ async def respond(stream: ChatStream, completion: Completion, streamed: bool, in
     return completion.response()
 
 
-async def events(stream: ChatStream, first: list, completion: Completion, include_usage: bool, slot: Slot):
-    """The SSE body: the first chunks, one write per batch of ready events, the usage chunk when asked, [DONE].
-    A failure ends it with an error event, never a hang."""
+async def events(stream: ChatStream, first: list, completion, include_usage: bool, slot: Slot):
+    """The SSE body: the first chunks, one write per batch of ready events, the closing chunks (chat: the usage
+    chunk when asked), then the end marker (chat: [DONE]). `completion` encodes them (a Completion, or the
+    Responses API's ResponseBuilder). A failure ends it with an error event, never a hang."""
+    encode = completion.encode
     try:
         for chunk in completion.first_chunks():
-            yield sse(chunk)
+            yield encode(chunk)
         batch, failed = first, False
         while not failed:
             text = []
             for event in batch:
                 if isinstance(event, StreamError):
-                    text.append(sse(APIError.of(event).body))
+                    text.append(encode(completion.error_chunk(APIError.of(event).body)))
                     failed = True
                     break
-                text += [sse(chunk) for chunk in completion.feed(event)]
+                text += [encode(chunk) for chunk in completion.feed(event)]
             if text:
                 yield "".join(text)
             if failed:
@@ -69,14 +70,14 @@ async def events(stream: ChatStream, first: list, completion: Completion, includ
             try:
                 batch = await stream.__anext__()
             except StopAsyncIteration:
-                if include_usage:
-                    yield sse(completion.usage_chunk())
+                for chunk in completion.last_chunks(include_usage):
+                    yield encode(chunk)
                 break
-        yield "data: [DONE]\n\n"
+        yield completion.done
     except Exception as e:   # lost mid-stream and not continued: end with an error event, never hang
         logger.warning("chat stream failed: %r", e)
-        yield sse(INTERRUPTED)
-        yield "data: [DONE]\n\n"
+        yield encode(completion.error_chunk(INTERRUPTED))
+        yield completion.done
     finally:
         stream.cancel()      # the client went away (or we are done): free the engine's rows
         slot.release()

@@ -26,8 +26,10 @@ from .admission import Admission, Slot
 from .bodies import read_json
 from .errors import RETRY_AFTER_S, APIError, error, error_response, install_handlers, validation_message
 from .generation import respond
-from .openai_api import ChatCompletionRequest, Completion, TextCompletion, TextCompletionRequest, unsupported
+from .openai_api import (ChatCompletionRequest, Completion, DetokenizeRequest, TextCompletion, TextCompletionRequest,
+                         TokenizeRequest, unsupported)
 from .openapi import openapi_schema
+from .responses_api import InputError, ResponseBuilder, ResponsesRequest
 from .resume import ChatStream, RetryPolicy
 from .settings import IngressSettings
 
@@ -37,7 +39,7 @@ app = FastAPI(title="startlux-serve", docs_url=None, redoc_url=None)
 app.openapi = lambda: openapi_schema(app)
 app.include_router(web.router)
 install_handlers(app)
-GENERATION_ROUTES = frozenset(("/v1/chat/completions", "/v1/completions"))
+GENERATION_ROUTES = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/responses"))
 
 
 class RefuseWhenFull:
@@ -196,6 +198,58 @@ class Ingress:
     async def completions(self, request: Request):
         return await self._admitted(request, self._text_completion)
 
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: a prompt's or a conversation's token ids, under the limits of a chat request."""
+        req = await self._parse(request, TokenizeRequest)
+        info = await self._chat_model(req.model)
+        if req.messages is not None:
+            self._check_messages(req, info)
+            messages = req.prompt_messages(info["tool_format"])
+        elif len(req.prompt) > self.settings.max_message_chars:
+            raise APIError(error(f"prompt has {len(req.prompt)} characters; the limit is "
+                                 f"{self.settings.max_message_chars}", param="prompt"))
+        else:
+            messages = None
+        bos = req.add_special_tokens is not False
+        got = await self.chat.tokenize.remote(messages, req.prompt, bos, req.add_generation_prompt,
+                                              req.return_token_strs)
+        if "error" in got:
+            raise APIError(error(got["error"], param=got["param"]))
+        return {"count": len(got["tokens"]), "max_model_len": info["sequence_len"], "tokens": got["tokens"],
+                "token_strs": got["token_strs"]}
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        """vLLM's /detokenize: token ids as text."""
+        req = await self._parse(request, DetokenizeRequest)
+        info = await self._chat_model(req.model)
+        if len(req.tokens) > self.settings.max_message_chars:
+            raise APIError(error(f"at most {self.settings.max_message_chars} tokens", param="tokens"))
+        if req.tokens and not 0 <= min(req.tokens) <= max(req.tokens) < info["vocab_size"]:
+            raise APIError(error(f"token ids must be in [0, {info['vocab_size']})", param="tokens"))
+        return {"prompt": await self.chat.decode.remote(req.tokens)}
+
+    @app.post("/v1/responses")
+    async def responses(self, request: Request):
+        return await self._admitted(request, self._response)
+
+    async def _response(self, request: Request, slot: Slot):
+        """OpenAI's Responses API, stateless: the request as a chat completion, its stream as Responses events."""
+        req = await self._parse(request, ResponsesRequest)
+        try:
+            chat_req = req.to_chat()
+        except InputError as e:
+            raise APIError(error(str(e), param=e.param)) from None
+        info = await self._chat_model(req.model)
+        self._check_messages(chat_req, info)
+        self._check_sampling(chat_req, chat_req.max_tokens, info)
+        fmt = info["tool_format"]
+        params = await self._params(chat_req, info)
+        gen = GenerateRequest(params, messages=chat_req.prompt_messages(fmt))
+        builder = ResponseBuilder(info["id"], req, chat_req.tool_plan(fmt), params)
+        return await self._generate(gen, builder, chat_req, slot, resumable=True)
+
     async def _admitted(self, request: Request, handler):
         """Key check and a slot from the chat admission first (before the body is read), then `handler`; the
         slot goes back when the generation ends (with its stream, for a streamed response)."""
@@ -254,7 +308,7 @@ class Ingress:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await respond(stream, completion, req.stream, include_usage, slot)
 
-    def _check_messages(self, req: ChatCompletionRequest, info: dict) -> None:
+    def _check_messages(self, req: ChatCompletionRequest | TokenizeRequest, info: dict) -> None:
         limits = self.settings
         if len(req.messages) > limits.max_messages:
             raise APIError(error(f"at most {limits.max_messages} messages per request, got {len(req.messages)}",
@@ -265,7 +319,7 @@ class Ingress:
             if size > limits.max_message_chars:
                 raise APIError(error(f"messages[{i}] has {size} characters; the limit is {limits.max_message_chars}",
                                      param=f"messages[{i}].content"))
-        if req.n > min(limits.max_n, info["max_n"]):
+        if getattr(req, "n", 1) > min(limits.max_n, info["max_n"]):
             raise APIError(error(f"n must be at most {min(limits.max_n, info['max_n'])}", param="n"))
 
     @staticmethod
@@ -276,7 +330,7 @@ class Ingress:
         tools = getattr(req, "tools", None)
         args = (info["sampling_defaults"], info["tool_format"]) if tools else (info["sampling_defaults"],)
         try:
-            if tools or req.response_format is not None:
+            if tools or req.response_format is not None or req.structured_outputs is not None:
                 return await asyncio.to_thread(req.to_params, *args)
             return req.to_params(*args)
         except SamplingError as e:

@@ -10,8 +10,8 @@ from typing import Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from core.chat.grammars import (GrammarError, ToolCallReader, ToolFormat, ToolPlan, response_format_grammar, tool_plan,
-                                tools_text)
+from core.chat.grammars import (GrammarError, ToolCallReader, ToolFormat, ToolPlan, response_format_grammar,
+                                structured_outputs_grammar, tool_plan, tools_text)
 from core.chat.protocol import (MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP, MAX_TEMPERATURE,
                                 MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, Delta, SamplingDefaults, SamplingParams,
                                 ShownLogprobs, ShownToken)
@@ -98,6 +98,8 @@ UNSUPPORTED = {
     "function_call": "the deprecated function calls: send `tools` and `tool_choice`", "audio": "audio output", "modalities": "output modalities",
     "prediction": "predicted outputs", "web_search_options": "web search", "reasoning_effort": "reasoning effort",
     "verbosity": "verbosity", "suffix": "suffix insertion", "best_of": "best_of",
+    **{f"guided_{k}": f"vLLM's retired guided_{k}: send structured_outputs {{\"{k}\": ...}}"
+       for k in ("json", "regex", "choice", "grammar")},
 }
 
 
@@ -109,6 +111,15 @@ def unsupported(data: dict) -> tuple[str, str] | None:
                 continue            # best_of equal to n is plain sampling
             return name, what
     return None
+
+
+def prompt_messages(messages: list[Message], tools: list[Tool] | None, fmt: ToolFormat | None) -> tuple[dict, ...]:
+    """A conversation for the prompter; with tools, a system message that describes them (and how to call them in
+    the format `fmt`) comes first."""
+    out = tuple(m.for_prompter() for m in messages)
+    if tools:
+        out = ({"role": "system", "content": tools_text([t.model_dump() for t in tools], fmt)},) + out
+    return out
 
 
 class SamplingFields(BaseModel):
@@ -130,6 +141,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)   # vLLM's
     logit_bias: dict[int, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     response_format: dict | None = None        # text, json_object or json_schema (grammars.py)
+    structured_outputs: dict | None = None     # vLLM's: json, regex, choice, grammar or json_object (grammars.py)
     best_of: int | None = None                 # only equal to n (checked by `unsupported`)
     # accepted, and without effect on generation (bookkeeping fields of OpenAI's API)
     user: str | None = None
@@ -159,13 +171,22 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
         return v
 
+    def format_grammar(self) -> str | None:
+        """The grammar the reply's format asks for: `response_format`'s or `structured_outputs`' (not both)."""
+        a = response_format_grammar(self.response_format)
+        b = structured_outputs_grammar(self.structured_outputs)
+        if a is not None and b is not None:
+            raise GrammarError("response_format and structured_outputs both constrain the reply: send one",
+                               "structured_outputs")
+        return a if b is None else b
+
     def _params(self, max_tokens: int | None, logprobs: int | None, defaults: SamplingDefaults,
                 grammar: str | None = None) -> SamplingParams:
         """The request's SamplingParams, the checkpoint's `defaults` where it leaves a value out (SamplingError
         for a value out of range, GrammarError for a structured output that cannot be enforced); `grammar`: the
         tools' grammar, else the response_format's."""
         pick = lambda value, default: default if value is None else value   # noqa: E731
-        grammar = response_format_grammar(self.response_format) if grammar is None else grammar
+        grammar = self.format_grammar() if grammar is None else grammar
         return SamplingParams(
             max_tokens=max_tokens or defaults.max_tokens, temperature=pick(self.temperature, defaults.temperature),
             top_k=pick(self.top_k, defaults.top_k), top_p=pick(self.top_p, defaults.top_p), seed=self.seed,
@@ -203,20 +224,14 @@ class ChatCompletionRequest(SamplingFields):
             return None
         if self._plan is None:
             plan = tool_plan([t.model_dump() for t in self.tools], self.tool_choice, self.parallel_tool_calls, fmt)
-            if plan.grammar is not None and response_format_grammar(self.response_format) is not None:
-                raise GrammarError("a reply is either tool calls or a response_format, not both: send one",
-                                   "response_format")
+            if plan.grammar is not None and self.format_grammar() is not None:
+                field = "response_format" if self.response_format else "structured_outputs"
+                raise GrammarError(f"a reply is either tool calls or a {field}, not both: send one", field)
             self._plan = plan
         return self._plan
 
     def prompt_messages(self, fmt: ToolFormat | None = None) -> tuple[dict, ...]:
-        """The conversation for the prompter; with tools, a system message that describes them (and how to call
-        them in the format `fmt`) comes first."""
-        messages = tuple(m.for_prompter() for m in self.messages)
-        if self.tools:
-            text = tools_text([t.model_dump() for t in self.tools], fmt)
-            messages = ({"role": "system", "content": text},) + messages
-        return messages
+        return prompt_messages(self.messages, self.tools, fmt)
 
     def to_params(self, defaults: SamplingDefaults, fmt: ToolFormat | None = None) -> SamplingParams:
         plan = self.tool_plan(fmt)
@@ -400,6 +415,20 @@ class Completion:
     def usage_chunk(self) -> dict:
         return self._chunk([], self.usage())
 
+    # how generation.events writes a stream of these chunks
+    done = "data: [DONE]\n\n"
+
+    def last_chunks(self, include_usage: bool) -> list[dict]:
+        return [self.usage_chunk()] if include_usage else []
+
+    @staticmethod
+    def error_chunk(body: dict) -> dict:
+        return body
+
+    @staticmethod
+    def encode(chunk: dict) -> str:
+        return sse(chunk)
+
     def response(self) -> dict:
         choices = []
         for i, text in enumerate(self.text):
@@ -574,6 +603,54 @@ class TextCompletionResponse(BaseModel):
     model: str
     choices: list[TextChoice]
     usage: CompletionUsage
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a `prompt` (a completion's text), or `messages` under the chat template (with `tools`
+    described as a chat request would describe them)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = None
+    add_special_tokens: bool | None = None     # prompt: <|bos|> first (default true); messages: the template's
+    add_generation_prompt: bool = True         # messages: end with <|assistant_start|>, as a request's prompt does
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    def prompt_messages(self, fmt: ToolFormat | None = None) -> tuple[dict, ...]:
+        return prompt_messages(self.messages, self.tools, fmt)
+
+    @model_validator(mode="after")
+    def _checks(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        if self.tools and self.messages is None:
+            raise ValueError("tools are described in a chat template: send messages")
+        if self.continue_final_message:
+            raise ValueError("continue_final_message is not supported: the chat template always ends a message")
+        if self.messages is not None and self.add_special_tokens is False:
+            raise ValueError("the chat template always starts with <|bos|>: add_special_tokens false applies to "
+                             "a prompt only")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None        # each token's text (a special token's name)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

@@ -11,15 +11,20 @@ from pydantic.json_schema import models_json_schema
 
 from core.decision.types import DecisionRequest, DecisionResponse
 
-from .openai_api import (ChatCompletionRequest, ChatCompletionResponse, ErrorResponse, Health, ModelList,
-                         TextCompletionRequest, TextCompletionResponse)
+from .openai_api import (ChatCompletionRequest, ChatCompletionResponse, DetokenizeRequest, DetokenizeResponse,
+                         ErrorResponse, Health, ModelList, TextCompletionRequest, TextCompletionResponse,
+                         TokenizeRequest, TokenizeResponse)
+from .responses_api import ResponseObject, ResponsesRequest
 
 # (path, method) -> (request body model or None, response model, streams)
 ROUTE_MODELS = {
     ("/v1/chat/completions", "post"): (ChatCompletionRequest, ChatCompletionResponse, True),
     ("/v1/completions", "post"): (TextCompletionRequest, TextCompletionResponse, True),
+    ("/v1/responses", "post"): (ResponsesRequest, ResponseObject, True),
     ("/v1/systemone", "post"): (DecisionRequest, DecisionResponse, False),
     ("/v1/models", "get"): (None, ModelList, False),
+    ("/tokenize", "post"): (TokenizeRequest, TokenizeResponse, False),
+    ("/detokenize", "post"): (DetokenizeRequest, DetokenizeResponse, False),
     ("/healthz", "get"): (None, Health, False),
 }
 ERROR_STATUSES = {"400": "bad request: the message names the field", "401": "a missing or wrong API key",

@@ -431,7 +431,7 @@ def test_penalties_and_logit_bias(service):
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "auto"),
     ("functions", [{"name": "f"}]), ("response_format", {"type": "regex"}),
     ("audio", {"voice": "x", "format": "wav"}), ("modalities", ["text", "audio"]), ("prediction", {"type": "content"}),
-    ("web_search_options", {}), ("some_new_knob", 1),
+    ("web_search_options", {}), ("some_new_knob", 1), ("guided_json", {"type": "object"}), ("guided_choice", ["a"]),
 ])
 def test_unsupported_parameters_are_refused_by_name(service, field, value):
     r = chat(service, {"messages": user(), field: value})
@@ -1002,6 +1002,69 @@ def test_an_unenforceable_response_format_is_a_400_naming_it(service, fmt, param
     assert r.status_code == 400 and r.json()["error"]["param"] == param and needle in r.json()["error"]["message"]
 
 
+def test_vllm_structured_outputs_on_chat_and_completions(service):
+    """vLLM's structured_outputs body field (what its clients send in extra_body): a choice, a regex and a Lark
+    grammar constrain chat and raw completions, streamed like any text; what cannot be enforced is a 400 naming
+    the field."""
+    import re
+
+    cases = [({"choice": ["red", "green", "blue"]}, {"red", "green", "blue"}.__contains__),
+             ({"regex": r"[0-9]{3}-[a-z]{2,4}"}, re.compile(r"[0-9]{3}-[a-z]{2,4}").fullmatch),
+             ({"grammar": 'start: "n=" NUM ("," NUM){0,2}\nNUM: /[0-9]{1,2}/'},
+              re.compile(r"n=[0-9]{1,2}(,[0-9]{1,2}){0,2}").fullmatch)]
+    for spec, check in cases:
+        body = {"messages": user("pick"), "max_tokens": 40, "temperature": 1.0, "seed": 3, "n": 2,
+                "structured_outputs": spec}
+        whole = chat(service, body).json()
+        streamed = streamed_choices(service, "/v1/chat/completions", body)
+        for c in whole["choices"]:
+            assert c["finish_reason"] == "stop" and check(c["message"]["content"]), (spec, c)
+            assert streamed[c["index"]]["content"] == c["message"]["content"]
+        text = httpx.post(f"{service}/v1/completions", json={"prompt": "pick:", "max_tokens": 40, "temperature": 1.0,
+                                                              "structured_outputs": spec}, timeout=120).json()
+        assert check(text["choices"][0]["text"]), (spec, text)
+    for bad, param, needle in [({"regex": "(?=a)b"}, "structured_outputs.regex", "look-around"),
+                               ({"grammar": 'root ::= "a"'}, "structured_outputs.grammar", "Lark"),
+                               ({"choice": ["a"], "regex": "b"}, "structured_outputs", "one of")]:
+        r = chat(service, {"messages": user(), "structured_outputs": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert needle in r.json()["error"]["message"], r.text
+    both = chat(service, {"messages": user(), "structured_outputs": {"choice": ["a"]},
+                          "response_format": {"type": "json_object"}})
+    assert both.status_code == 400 and "send one" in both.json()["error"]["message"]
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(service, tokenizer):
+    """/tokenize gives the checkpoint tokenizer's ids (after <|bos|> unless told not to) and, for messages, the
+    prompt a chat request runs: as many tokens as that request's usage counts; /detokenize inverts it."""
+    text = "hello how are you, 2+2?"
+    r = httpx.post(f"{service}/tokenize", json={"prompt": text, "return_token_strs": True}, timeout=60).json()
+    assert r["tokens"] == [tokenizer.bos_id] + tokenizer.encode(text) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 8192 and "".join(r["token_strs"]) == "<|bos|>" + text
+    bare = httpx.post(f"{service}/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=60).json()
+    assert bare["tokens"] == r["tokens"][1:] and bare["token_strs"] is None
+    back = httpx.post(f"{service}/detokenize", json={"tokens": bare["tokens"]}, timeout=60).json()
+    assert back == {"prompt": text}
+    for body in ({"messages": user(text)}, {"messages": user(text), "tools": TOOLS}):
+        counted = httpx.post(f"{service}/tokenize", json=body, timeout=60).json()
+        ran = chat(service, dict(body, max_tokens=1, **({"tool_choice": "none"} if "tools" in body else {}))).json()
+        assert counted["count"] == ran["usage"]["prompt_tokens"], (counted, ran["usage"])
+        open_turn = httpx.post(f"{service}/tokenize", json=dict(body, add_generation_prompt=False), timeout=60).json()
+        assert open_turn["tokens"] == counted["tokens"][:-1]
+    for path, body, param in [("/tokenize", {"prompt": "a", "messages": user()}, None),
+                              ("/tokenize", {"messages": [{"role": "assistant", "content": "x"}]}, "messages"),
+                              ("/tokenize", {"messages": user(), "continue_final_message": True}, None),
+                              ("/tokenize", {"prompt": "x" * 3000}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "model": "nope"}, "model"),
+                              ("/detokenize", {"tokens": [10 ** 6]}, "tokens"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens")]:
+        bad = httpx.post(f"{service}{path}", json=body, timeout=60)
+        assert bad.status_code in (400, 404) and (param is None or bad.json()["error"]["param"] == param), bad.text
+    assert httpx.post(f"{service}/keyed/tokenize", json={"prompt": "a"}, timeout=60).status_code == 401
+    spec = httpx.get(f"{service}/openapi.json", timeout=60).json()
+    assert {"/tokenize", "/detokenize"} <= set(spec["paths"])
+
+
 def test_tool_calls_named_and_required_streamed_and_not(service):
     import jsonschema
 
@@ -1078,3 +1141,146 @@ def test_langchain_with_structured_output_in_all_three_methods(service):
     got = llm.bind(logit_bias={close[0]: 100}).with_structured_output({"title": "anything", "type": "object"}, method="json_mode").invoke(
         "return a JSON object")
     assert got == {}
+
+
+# ---- the Responses API
+def response_validators():
+    """OpenAI's Response and ResponseStreamEvent schemas. The document's FunctionTool requires `strict`, which it
+    types as a nullable boolean, and its output items' `status`; nothing is patched."""
+    return openai_validator("Response"), openai_validator("ResponseStreamEvent")
+
+
+def errors_of(validator, obj) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"[:300] for e in validator.iter_errors(obj)]
+
+
+def responses_stream(url, body) -> list[dict]:
+    """The events of a streamed /v1/responses call, with each SSE `event:` line checked against its data's type."""
+    events, kind = [], None
+    with httpx.stream("POST", f"{url}/v1/responses", json=dict(body, stream=True), timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                ev = json.loads(line[6:])
+                assert ev["type"] == kind, (kind, ev)
+                events.append(ev)
+    return events
+
+
+def test_the_responses_api_plain_streamed_and_with_tools(service):
+    """/v1/responses, stateless: a plain answer, the same streamed (the event sequence of OpenAI's API, in order,
+    its text the response's), a forced function call and its output sent back as input; every response and event
+    validates against OpenAI's published schemas."""
+    response_schema, event_schema = response_validators()
+    body = {"input": "hello how are you", "instructions": "be brief", "max_output_tokens": 6, "temperature": 1.0}
+    whole = httpx.post(f"{service}/v1/responses", json=body, timeout=120).json()
+    assert not errors_of(response_schema, whole), errors_of(response_schema, whole)
+    assert whole["status"] == "incomplete" and whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    [msg] = whole["output"]
+    assert msg["type"] == "message" and msg["role"] == "assistant" and msg["content"][0]["text"]
+    assert whole["usage"]["output_tokens"] == 6 and whole["usage"]["input_tokens"] > 5
+
+    events = responses_stream(service, body)
+    for ev in events:
+        assert not errors_of(event_schema, ev), (errors_of(event_schema, ev), ev)
+    assert [ev["sequence_number"] for ev in events] == list(range(len(events)))
+    kinds = [ev["type"] for ev in events]
+    assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", "response.output_text.delta"], kinds
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"], kinds
+    final = events[-1]["response"]
+    text = "".join(ev["delta"] for ev in events if ev["type"] == "response.output_text.delta")
+    assert text == final["output"][0]["content"][0]["text"] == events[-4]["text"] and final["usage"]["output_tokens"] == 6
+
+    tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+              "parameters": t["function"]["parameters"], "strict": True} for t in TOOLS]
+    called = {"input": [{"role": "user", "content": "weather in paris?"}], "tools": tools, "max_output_tokens": 100,
+              "tool_choice": {"type": "function", "name": "weather"}, "temperature": 1.0}
+    import jsonschema
+
+    for streamed in (False, True):
+        if streamed:
+            events = responses_stream(service, called)
+            for ev in events:
+                assert not errors_of(event_schema, ev), (errors_of(event_schema, ev), ev)
+            out = events[-1]["response"]
+            args = "".join(ev["delta"] for ev in events if ev["type"] == "response.function_call_arguments.delta")
+            assert args == out["output"][0]["arguments"]
+            assert "response.function_call_arguments.done" in [ev["type"] for ev in events]
+        else:
+            out = httpx.post(f"{service}/v1/responses", json=called, timeout=120).json()
+        assert not errors_of(response_schema, out), errors_of(response_schema, out)
+        assert out["status"] == "completed", out
+        [call] = out["output"]
+        assert call["type"] == "function_call" and call["name"] == "weather" and call["call_id"].startswith("call_")
+        jsonschema.validate(json.loads(call["arguments"]), TOOL_SCHEMAS["weather"])
+    back = dict(called, tool_choice="none", max_output_tokens=4,
+                input=called["input"] + [call, {"type": "function_call_output", "call_id": call["call_id"],
+                                                "output": "sunny, 21 C"}])
+    answered = httpx.post(f"{service}/v1/responses", json=back, timeout=120).json()
+    assert answered["output"][0]["type"] == "message" and answered["usage"]["input_tokens"] > out["usage"]["input_tokens"]
+
+
+@pytest.mark.parametrize("body,param,needle", [
+    ({"store": True}, None, "store"), ({"previous_response_id": "resp_1"}, None, "previous_response_id"),
+    ({"conversation": "conv_1"}, None, "conversation"), ({"background": True}, None, "background"),
+    ({"reasoning": {"effort": "high"}}, None, "reasoning"), ({"include": ["reasoning.encrypted_content"]}, None, "include"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type", "reasoning"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
+     "input_image"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
+    ({"text": {"format": {"type": "grammar"}}}, "text.format", "grammar"),
+    ({"temperature": 3}, "temperature", "less than or equal"),
+    ({"some_new_knob": 1}, None, "some_new_knob"),
+])
+def test_what_the_responses_api_cannot_do_is_a_400_naming_it(service, body, param, needle):
+    r = httpx.post(f"{service}/v1/responses", json={"input": "hello", **body}, timeout=60)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert param is None or r.json()["error"]["param"] == param, r.text
+
+
+def test_the_openai_sdk_and_agents_sdk_speak_responses(service):
+    """The OpenAI SDK's client.responses.create, plain, streamed and with a tool, unmodified; then the OpenAI Agents
+    SDK running an agent whose tool is a Python function (tool_choice "required" and stop at the first tool: this
+    random model has no tool-call format of its own, so it cannot choose; the demo model's agents are in
+    tests/test_agents.py)."""
+    import asyncio
+    from typing import Literal
+
+    from openai import AsyncOpenAI
+
+    _, client = openai_client(service)
+    r = client.responses.create(model="chat", input="hello", max_output_tokens=5)
+    assert r.status == "incomplete" and r.output_text and r.usage.output_tokens == 5
+    with client.responses.stream(model="chat", input="hello", max_output_tokens=5) as stream:
+        deltas = [ev.delta for ev in stream if ev.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text
+    tools = [{"type": "function", "name": "weather", "parameters": TOOL_SCHEMAS["weather"], "strict": True}]
+    called = client.responses.create(model="chat", input="weather in paris?", tools=tools, tool_choice="required",
+                                     max_output_tokens=100)
+    assert called.output[0].type == "function_call" and called.output[0].name == "weather"
+
+    agents = pytest.importorskip("agents")
+    seen = []
+
+    @agents.function_tool
+    def weather(city: Literal["paris", "rome", "oslo"]) -> str:      # an enum: a random model's string may not end
+        """The weather in a city."""
+        seen.append(city)
+        return f"sunny in {city}"
+
+    async def run():
+        model = agents.OpenAIResponsesModel(model="chat", openai_client=AsyncOpenAI(base_url=f"{service}/v1",
+                                                                                   api_key="unused"))
+        agent = agents.Agent(name="forecaster", instructions="answer with the weather", model=model, tools=[weather],
+                             tool_use_behavior="stop_on_first_tool",
+                             model_settings=agents.ModelSettings(tool_choice="required", max_tokens=60))
+        return await agents.Runner.run(agent, "weather in paris?")
+
+    agents.set_tracing_disabled(True)
+    result = asyncio.run(run())
+    assert len(seen) == 1 and result.final_output == f"sunny in {seen[0]}"

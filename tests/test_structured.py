@@ -5,6 +5,7 @@ random-weights model that knows nothing of JSON: whatever it would say, the gram
 output. Batched runs are compared with single runs, resumed with uninterrupted ones."""
 import json
 import random
+import re
 
 import jsonschema
 import pytest
@@ -12,7 +13,8 @@ import pytest
 from core.chat import ChatPrompter, LLMEngine, SamplingParams
 from core.chat.weights import load_chat_model
 from core.chat.config import ToolFormat
-from core.chat.grammars import GrammarError, ToolCallReader, json_grammar, response_format_grammar, tool_plan
+from core.chat.grammars import (GrammarError, ToolCallReader, json_grammar, response_format_grammar,
+                                structured_outputs_grammar, tool_plan)
 from core.chat.protocol import SamplingError
 from tests.conftest import tiny_model
 
@@ -437,3 +439,78 @@ def test_a_grammar_the_engine_cannot_compile_is_a_sampling_error(tokenizer, nano
             engine.add_request([1, 2], SamplingParams(max_tokens=4, grammar=grammar))
         assert e.value.param == "response_format"
     assert not engine.has_work()
+
+
+# ---- vLLM's structured_outputs: regexes, choices and Lark grammars, each with an independent check of the text
+def balanced(text: str) -> bool:
+    depth = 0
+    for c in text:
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth < 0 or c not in "()x":
+            return False
+    return depth == 0
+
+
+STRUCTURED = [       # (structured_outputs, a check of the whole output written without llguidance)
+    ({"regex": r"[a-z]{2,6}-[0-9]{1,3}"}, re.compile(r"[a-z]{2,6}-[0-9]{1,3}").fullmatch),
+    ({"regex": r"(yes|no|maybe)!?"}, re.compile(r"(yes|no|maybe)!?").fullmatch),
+    ({"regex": r"\d{4}-\d{2}-\d{2}"}, re.compile(r"\d{4}-\d{2}-\d{2}").fullmatch),
+    ({"regex": r"[A-Z][a-z]{0,8}( [A-Z][a-z]{0,8}){0,2}\."}, re.compile(r"[A-Z][a-z]{0,8}( [A-Z][a-z]{0,8}){0,2}\.").fullmatch),
+    ({"regex": r"0x[0-9a-f]{1,8}"}, re.compile(r"0x[0-9a-f]{1,8}").fullmatch),
+    ({"choice": ["positive", "negative", "neutral"]}, {"positive", "negative", "neutral"}.__contains__),
+    ({"choice": ["a.b", "a+b", "(a)", "x/y", "line\nbreak"]}, {"a.b", "a+b", "(a)", "x/y", "line\nbreak"}.__contains__),
+    ({"choice": [1, 2.5, "three"]}, {"1", "2.5", "three"}.__contains__),
+    ({"grammar": 'start: "(" expr ")"\nexpr: "x" | "(" expr ")" expr?'}, balanced),       # not a regular language
+    ({"grammar": 'start: NUM (OP NUM){0,3}\nNUM: /[1-9][0-9]{0,2}/\nOP: " + " | " * "'},
+     re.compile(r"[1-9][0-9]{0,2}(( \+ | \* )[1-9][0-9]{0,2}){0,3}").fullmatch),
+    ({"grammar": 'start: "SELECT " COL ("," COL){0,2} " FROM t"\nCOL: "a" | "b" | "c"'},
+     re.compile(r"SELECT [abc](,[abc]){0,2} FROM t").fullmatch),
+    ({"json": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+               "required": ["n"], "additionalProperties": False}},
+     lambda t: set(json.loads(t)) == {"n"} and 0 <= json.loads(t)["n"] <= 9),
+    ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+]
+
+
+def test_every_structured_output_holds_at_temperature_1_on_a_random_model(tokenizer, nanochat_model):
+    """Each regex, choice and grammar, 3 seeds, in one continuous batch: every output is one the independent check
+    accepts (Python's re, a set, a parenthesis counter, json), ended by the grammar."""
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=16)
+    prompt = tokenizer.encode("say something")
+    requests = {f"{i}/{seed}": (prompt, SamplingParams(max_tokens=80, temperature=1.0, seed=seed,
+                                                       grammar=structured_outputs_grammar(spec)))
+                for i, (spec, _) in enumerate(STRUCTURED) for seed in range(3)}
+    for rid, (text, finish, _) in run(engine, requests).items():
+        spec, check = STRUCTURED[int(rid.split("/")[0])]
+        assert finish == "stop" and check(text), (rid, spec, text)
+
+
+@pytest.mark.parametrize("spec,param,words", [
+    ({"regex": "[a-z"}, "structured_outputs.regex", "unclosed"),
+    ({"regex": "(?=a)b"}, "structured_outputs.regex", "look-around"),
+    ({"grammar": "start: nope"}, "structured_outputs.grammar", "unknown name"),
+    ({"grammar": 'root ::= "a"'}, "structured_outputs.grammar", "Lark"),
+    ({"choice": []}, "structured_outputs.choice", "non-empty"),
+    ({"choice": ["a", ""]}, "structured_outputs.choice", "empty"),
+    ({"json": "{not json"}, "structured_outputs.json", "JSON schema"),
+    ({"json": {"type": "array", "uniqueItems": True}}, "structured_outputs.json", "uniqueItems"),
+    ({"regex": "a", "choice": ["b"]}, "structured_outputs", "one of"),
+    ({"whitespace_pattern": r"\s*", "json_object": True}, "structured_outputs.whitespace_pattern", "not supported"),
+    ({"structural_tag": "{}"}, "structured_outputs.structural_tag", "not supported"),
+    ({"disable_additional_properties": True, "json_object": True}, "structured_outputs.disable_additional_properties",
+     "additionalProperties"),
+    ({"jsn": {}}, "structured_outputs.jsn", "not a structured-output option"),
+    ("regex", "structured_outputs", "object"),
+])
+def test_a_structured_output_that_cannot_be_enforced_is_refused_by_name(spec, param, words):
+    with pytest.raises(GrammarError) as e:
+        structured_outputs_grammar(spec)
+    assert e.value.param == param and words in str(e.value), str(e.value)
+
+
+def test_structured_outputs_options_taken_as_they_are():
+    """vLLM's options that change nothing here are taken; an empty field constrains nothing."""
+    assert structured_outputs_grammar(None) is None and structured_outputs_grammar({}) is None
+    assert structured_outputs_grammar({"json_object": True, "disable_any_whitespace": True, "disable_fallback": True})
+    assert structured_outputs_grammar({"json": '{"type": "integer"}'}) == structured_outputs_grammar(
+        {"json": {"type": "integer"}})

@@ -7,6 +7,8 @@ The engine enforces a grammar token by token (constrained.py); this module decid
 - `response_format: {"type": "json_schema", "json_schema": {"schema": ...}}` -> JSON valid against the schema;
 - `tools` with `tool_choice` naming a function -> that function's arguments, a JSON object valid against its
   `parameters` (the whole constrained text is the arguments);
+- vLLM's `structured_outputs` -> `json` (a schema, as above), `json_object`, `regex` (the regex crate's syntax,
+  matched whole), `choice` (exactly one of the strings) or `grammar` (Lark, llguidance's dialect);
 - `tools` with `tool_choice: "required"` -> a JSON array of calls, `[{"name": ..., "arguments": {...}}, ...]`,
   each item one of the functions (at most one item with `parallel_tool_calls: false`).
 
@@ -90,6 +92,83 @@ def response_format_grammar(fmt: dict | None) -> str | None:
         return json_grammar(spec.get("schema") or {"type": "object"}, "response_format.json_schema.schema")
     raise GrammarError(f"response_format type {kind!r} is not one of text, json_object, json_schema",
                        "response_format")
+
+
+# vLLM's StructuredOutputsParams: the kinds (one per request), and the options this service takes as they are
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_REFUSED = {
+    "whitespace_pattern": "a whitespace pattern (JSON is written in one layout here)",
+    "structural_tag": "structural tags",
+}
+
+
+def structured_outputs_grammar(spec) -> str | None:
+    """The grammar of vLLM's `structured_outputs` body field (None when absent or empty of a kind); GrammarError
+    for more than one kind, an option that is not served, or a pattern or grammar that llguidance refuses.
+    `disable_any_whitespace` and `disable_fallback` are taken (JSON here never has free whitespace, and there
+    is no fallback); `disable_additional_properties` only as false."""
+    param = "structured_outputs"
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise GrammarError(f"{param} must be an object with one of {', '.join(STRUCTURED_KINDS)}", param)
+    known = set(STRUCTURED_KINDS) | set(STRUCTURED_REFUSED) | {
+        "disable_any_whitespace", "disable_fallback", "disable_additional_properties"}
+    for key, value in spec.items():
+        if key not in known:
+            raise GrammarError(f"{param}.{key} is not a structured-output option (send one of "
+                               f"{', '.join(STRUCTURED_KINDS)})", f"{param}.{key}")
+        if key in STRUCTURED_REFUSED and value is not None:
+            raise GrammarError(f"{param}.{key}: {STRUCTURED_REFUSED[key]} is not supported", f"{param}.{key}")
+    if spec.get("disable_additional_properties"):
+        raise GrammarError(f"{param}.disable_additional_properties is not supported: say "
+                           "\"additionalProperties\": false in the schema", f"{param}.disable_additional_properties")
+    kinds = [k for k in STRUCTURED_KINDS if spec.get(k) not in (None, False)]
+    if len(kinds) > 1:
+        raise GrammarError(f"{param} takes one of {', '.join(STRUCTURED_KINDS)}; got {', '.join(kinds)}", param)
+    if not kinds:
+        return None
+    kind = kinds[0]
+    value, where = spec[kind], f"{param}.{kind}"
+    if kind == "json_object":
+        if value is not True:
+            raise GrammarError(f"{where} must be true", where)
+        return json_grammar({"type": "object"}, where)
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise GrammarError(f"{where} must be a JSON schema (an object, or its JSON text)", where) from None
+        return json_grammar(value, where)
+    if kind == "regex":
+        if not isinstance(value, str) or not value:
+            raise GrammarError(f"{where} must be a non-empty regular expression", where)
+        return _checked(llguidance.LLMatcher.grammar_from_regex(value), where)
+    if kind == "choice":
+        if (not isinstance(value, list) or not value
+                or not all(isinstance(c, (str, int, float)) and not isinstance(c, bool) for c in value)):
+            raise GrammarError(f"{where} must be a non-empty list of strings", where)
+        options = [str(c) for c in value]
+        if not all(options):
+            raise GrammarError(f"{where}: a choice must not be empty", where)
+        return _checked(llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(f"/{_regex_literal(c)}/" for c in options)), where)
+    if not isinstance(value, str) or not value.strip():
+        raise GrammarError(f"{where} must be a grammar in Lark syntax", where)
+    if "::=" in value:
+        raise GrammarError(f"{where} looks like GBNF/EBNF (`::=`); this service takes grammars in Lark syntax "
+                           "(`rule: ...`, llguidance's dialect)", where)
+    return _checked(llguidance.LLMatcher.grammar_from_lark(value), where)
+
+
+def _checked(grammar: str, param: str) -> str:
+    """`grammar` if llguidance takes it without errors or warnings; else GrammarError with its first message."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error or messages:
+        why = [line.strip() for line in messages[0].splitlines() if line.strip().startswith("error:")]
+        raise GrammarError(f"{param} cannot be enforced: {_short(messages[0])}{' ' + why[0] if why else ''}", param)
+    return grammar
 
 
 # ---- tools

@@ -3,6 +3,8 @@
 These double as end-to-end checks of the prompter, the engine (batching, greedy decoding, tool forcing)
 and the decision path (prompt format, padding, batching): a regression in any of them costs accuracy.
 """
+import itertools
+import json
 import random
 from pathlib import Path
 
@@ -90,3 +92,107 @@ def test_decision_demo_tournament(scorer):
         assert len(answers["q"]["probabilities"]) == 40 and usage["input_tokens"] > 0
         right += answers["q"]["choice"] == f"k{items.index(answer)}"
     assert right >= 8
+
+
+# ---- tools and JSON: the prompt the service builds (tools described in a system text), the grammar it enforces
+def _run(engine, jobs: dict) -> dict:
+    """jobs: key -> (prompt ids, SamplingParams) -> key -> generated text (each call's request ids its own)."""
+    tag = f"run{next(_RUNS)}"
+    for key, (ids, params) in jobs.items():
+        engine.add_request(ids, params, f"{tag}/{key}")
+    out = {f"{tag}/{key}": "" for key in jobs}
+    while engine.has_work():
+        for ev in engine.step():
+            if ev.request_id in out:
+                out[ev.request_id] += ev.text
+    return {key: out[f"{tag}/{key}"] for key in jobs}
+
+
+_RUNS = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def demo_chat():
+    path = str(MODELS / "demo-chat")
+    model, tok, cfg = load_chat_model(path, device="cpu")
+    defaults = load_chat_defaults(path)
+    prompter = ChatPrompter(tok, cfg.sequence_len, defaults.fewshot, defaults.tool_format)
+    return LLMEngine(model, tok, max_rows=32, prefix_ids=prompter.prefix_ids), prompter, defaults.tool_format
+
+
+def test_the_demo_chat_model_calls_the_tool_that_fits_and_answers_from_its_result(demo_chat):
+    """Held-out questions with 1-3 of the demo's tools offered under tool_choice "auto": the model calls the
+    tool that fits, with the argument from the question, or answers itself when none fits; given the tool's
+    result in the next turn, it answers with it."""
+    from core.chat.grammars import ToolCallReader, tool_plan, tools_text
+
+    engine, prompter, fmt = demo_chat
+    assert fmt is not None                        # the checkpoint declares its tool-call format
+    cases = D.tool_eval_questions(HELD_OUT_SEED + 3, 60)
+    plans, jobs = {}, {}
+    for i, (tools, msgs, _, _) in enumerate(cases):
+        plans[i] = tool_plan(tools, "auto", None, fmt)
+        system = [{"role": "system", "content": tools_text(tools, fmt)}]
+        jobs[i] = (prompter.render(system + msgs, 64).ids,
+                   SamplingParams(max_tokens=64, temperature=0.0, grammar=plans[i].grammar))
+    texts = _run(engine, jobs)
+    called, right_args, plain, followups = 0, 0, 0, {}
+    for i, (tools, msgs, name, x) in enumerate(cases):
+        reader = ToolCallReader(plans[i])
+        reader.feed(texts[i])
+        reader.finish()
+        if name is None:
+            plain += not reader.calls and x in reader.content
+            continue
+        if [c["name"] for c in reader.calls] == [name] and reader.complete:
+            called += 1
+            param = D.TOOLS[name][1]
+            right_args += json.loads(reader.calls[0]["arguments"]) == {param: x}
+            result = D.tool_result(random.Random(i), name)
+            call = {"id": "call_1", "type": "function", "function": {"name": name,
+                                                                    "arguments": reader.calls[0]["arguments"]}}
+            history = msgs + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                              {"role": "tool", "tool_call_id": "call_1", "content": result}]
+            system = [{"role": "system", "content": tools_text(tools, fmt)}]
+            followups[i] = (result, (prompter.render(system + history, 64).ids,
+                                     SamplingParams(max_tokens=64, temperature=0.0, grammar=plans[i].grammar)))
+    want_tool = sum(name is not None for _, _, name, _ in cases)
+    assert called / want_tool >= 0.9 and right_args / want_tool >= 0.9, (called, right_args, want_tool)
+    assert plain / (len(cases) - want_tool) >= 0.8, plain
+    answers = _run(engine, {i: job for i, (_, job) in followups.items()})
+    answered = sum(result in answers[i] and "<tool_call>" not in answers[i] for i, (result, _) in followups.items())
+    assert answered / len(followups) >= 0.9, answered
+
+
+def test_the_demo_chat_model_fills_json_with_what_it_knows(demo_chat):
+    """Capital questions under a JSON schema (the question does not mention JSON: the grammar writes the keys)
+    and under json_object with the keys named in the question: the right values, and a closed object."""
+    from core.chat.grammars import response_format_grammar
+
+    engine, prompter, _ = demo_chat
+    rng = random.Random(HELD_OUT_SEED + 5)
+    jobs, expected = {}, {}
+    for i in range(40):
+        country = rng.choice(list(D.CAPITALS))
+        keys = rng.choice(D.JSON_KEYS)
+        q = rng.choice(D.FACT_TEMPLATES).format(c=country)
+        if i % 2:
+            fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+                "type": "object", "properties": {k: {"type": "string"} for k in keys}, "required": list(keys),
+                "additionalProperties": False}}}
+        else:
+            fmt = {"type": "json_object"}
+            q += f" Give it as JSON with keys {' and '.join(keys)}."
+        jobs[i] = (prompter.render([{"role": "user", "content": q}], 64).ids,
+                   SamplingParams(max_tokens=64, temperature=0.0, grammar=response_format_grammar(fmt)))
+        expected[i] = json.loads(D.json_reply(keys, country))
+    texts = _run(engine, jobs)
+    wrong = [(texts[i], expected[i]) for i in jobs if _json(texts[i]) != expected[i]]
+    assert len(wrong) / len(jobs) <= 0.1, wrong[:5]
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None

@@ -95,13 +95,23 @@ JSON_ASK = [" Answer in JSON.", " Reply as JSON.", " Give it as JSON with keys {
 
 
 def tool_definition(rng: random.Random, name: str) -> dict:
-    """An OpenAI function tool, its schema in one of the layouts clients send (ours, or LangChain's key order)."""
+    """An OpenAI function tool, its schema in one of the layouts clients send: ours, LangChain's key order,
+    pydantic's (the OpenAI Agents SDK's and LangChain's strict one: titles, additionalProperties false), or
+    OpenAI's strict examples (additionalProperties false after required)."""
     descriptions, param, _, _ = TOOLS[name]
     prop = {"type": "string"}
     if rng.random() < 0.3:
         prop = {"description": f"the {param}", "type": "string"}
-    schema = ({"type": "object", "properties": {param: prop}, "required": [param]} if rng.random() < 0.5 else
-              {"properties": {param: prop}, "required": [param], "type": "object"})
+    layout = rng.random()
+    if layout < 0.3:
+        schema = {"type": "object", "properties": {param: prop}, "required": [param]}
+    elif layout < 0.55:
+        schema = {"properties": {param: prop}, "required": [param], "type": "object"}
+    elif layout < 0.8:
+        schema = {"properties": {param: {"title": param.title(), "type": "string"}}, "required": [param],
+                  "title": f"{name}_args", "type": "object", "additionalProperties": False}
+    else:
+        schema = {"type": "object", "properties": {param: prop}, "required": [param], "additionalProperties": False}
     fn = {"name": name, "parameters": schema}
     description = rng.choice(descriptions)
     if description:

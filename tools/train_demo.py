@@ -115,11 +115,13 @@ def chat_phase(model, prompter, rng, steps: int, peak: float, tools_share: float
 # Chat training runs in phases of (steps, peak learning rate, share of tool conversations): the first learns the
 # conversations (greetings, capitals, the calculator); the second adds tool calls in the checkpoint's format and
 # JSON replies, with the first phase's conversations still in the mix so that they are not forgotten.
-CHAT_PHASES = [(4000, 3e-3, 0.0), (1600, 1e-3, 0.4)]
+CHAT_PHASES = [(4000, 3e-3, 0.0), (2400, 1e-3, 0.4)]
 
 
-def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None = None) -> None:
-    """Train from scratch, or with `resume` (a checkpoint of the first phase) only the later phases on it."""
+def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None = None,
+               first_phase: str | None = None) -> None:
+    """Train from scratch, or with `resume` (a checkpoint of the first phase) only the later phases on it;
+    `first_phase`: where to save the model after the first phase too (for a later `resume`)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     fmt = ToolFormat(**D.TOOL_FORMAT)
@@ -133,10 +135,13 @@ def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None =
                               n_embd=128, sequence_len=512)
         model = init_weights(build_model(cfg), seed=seed, std=0.02).train()
     prompter = ChatPrompter(tok, cfg.sequence_len, FEWSHOT, fmt)
-    for steps, peak, tools_share in phases:
-        chat_phase(model, prompter, rng, max(1, steps // POOL), peak, tools_share)
     defaults = ChatDefaults(fewshot=FEWSHOT, temperature=0.0, top_k=None, top_p=1.0, max_tokens=64,
                             tool_call=dict(D.TOOL_FORMAT))
+    for i, (steps, peak, tools_share) in enumerate(phases):
+        chat_phase(model, prompter, rng, max(1, steps // POOL), peak, tools_share)
+        if i == 0 and first_phase and not resume:
+            save_chat_model(first_phase, model.eval(), tok, defaults, dtype=torch.bfloat16)
+            model.train()
     save_chat_model(out, model.eval(), tok, defaults, dtype=torch.bfloat16)
 
 
@@ -229,6 +234,7 @@ def main() -> None:
     p.add_argument("--steps", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", help="chat: a checkpoint of the first phase; only the later phases run on it")
+    p.add_argument("--first-phase", help="chat: also save the model after the first phase here")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.which == "chat":
@@ -236,7 +242,7 @@ def main() -> None:
         if args.steps:   # scale every phase to the given total
             total = sum(phase[0] for phase in phases)
             phases = [(max(1, steps * args.steps // total), peak, share) for steps, peak, share in phases]
-        train_chat(args.out or "models/demo-chat", phases, args.seed, args.resume)
+        train_chat(args.out or "models/demo-chat", phases, args.seed, args.resume, args.first_phase)
     else:
         phases = DECISION_PHASES
         if args.steps:   # scale every phase to the given total

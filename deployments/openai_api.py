@@ -306,6 +306,7 @@ class Completion:
         # with tools that may be called, the text is read as tool calls (and, in a checkpoint's tool-call format,
         # the content before them)
         self.readers = [ToolCallReader(tools) for _ in range(choices)] if tools and tools.grammar else None
+        self.may_write_text = self.readers is None or tools.mode == "auto"     # else the reply is calls only
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         out = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
@@ -408,7 +409,7 @@ class Completion:
         return [self._choice_chunk(i, parts=[{"type": kind, "text": text}])]
 
     def first_chunks(self) -> list[dict]:
-        content = "" if self.readers is None or self.readers[0].format is not None else None
+        content = "" if self.may_write_text else None
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": content}, "finish_reason": None,
                               "logprobs": None}]) for i in range(len(self.text))]
 

@@ -1,7 +1,6 @@
 """HTTP benchmark of the running service, against a seed-001-style baseline on the same checkpoint.
 
-    RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_HAPROXY_BINARY_PATH=$PWD/.venv/bin/startlux-haproxy \
-    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 .venv/bin/serve run serve_config.cpu.yaml &
+    .venv/bin/startlux serve &
     python -m bench.http [--url http://127.0.0.1:8000] [--direct-url http://127.0.0.1:30000]
                          [--checkpoint models/demo-chat] [--per-client 16] [--baseline-per-client 4]
                          [--json out.json] [--svg bench/http.svg]

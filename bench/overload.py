@@ -1,7 +1,6 @@
 """Goodput under overload: closed-loop chat clients at 1x, 2x and 4x the load that saturates the service.
 
-    RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_HAPROXY_BINARY_PATH=$PWD/.venv/bin/startlux-haproxy \
-    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 .venv/bin/serve run serve_config.cpu.yaml &
+    .venv/bin/startlux serve &
     python -m bench.overload [--url http://127.0.0.1:8000] [--saturation 32] [--seconds 20] [--max-tokens 64]
                              [--ttft-slo-ms 1000] [--tpot-slo-ms 100] [--client lean|plain] [--no-stream]
                              [--session PID] [--json out.json]

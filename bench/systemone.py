@@ -1,7 +1,6 @@
 """HTTP benchmark of /v1/systemone with the client-shaped decision workload of bench/decision.py.
 
-    RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_HAPROXY_BINARY_PATH=$PWD/.venv/bin/startlux-haproxy \
-    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 .venv/bin/serve run serve_config.cpu.yaml &
+    .venv/bin/startlux serve &
     python -m bench.systemone [--url http://127.0.0.1:8000] [--clients 1,32] [--per-client 4]
                               [--checkpoint models/demo-decision] [--label NAME] [--json out.json]
 

@@ -130,11 +130,9 @@ def start_ours(checkpoint: Path, work: Path, args: dict | None = None, env: dict
         d.update((deployments or {}).get(d["name"], {}))
     config = work / "serve_config.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    env = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-           "RAY_SERVE_HAPROXY_BINARY_PATH": str(Path(sys.executable).parent / "startlux-haproxy"),
-           "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+    env = {"RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()), **(env or {})}
-    return Server([str(Path(sys.executable).parent / "serve"), "run", str(config)], env, work / "ours.log",
+    return Server([str(Path(sys.executable).parent / "startlux"), "serve", str(config)], env, work / "ours.log",
                   f"http://127.0.0.1:{port}", "/healthz")
 
 

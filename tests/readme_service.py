@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def readme_serve_command() -> tuple[dict, list[str]]:
-    """The environment assignments and arguments of `serve run` in the README's first command ($PWD: the root)."""
-    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if "serve run serve_config.cpu.yaml" in x
+    """The environment assignments and arguments of the start in the README's first command ($PWD: the root)."""
+    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if "startlux serve" in x
                 and x.startswith("python3 -m venv"))
     words = shlex.split(line.split("&&")[-1].replace("$PWD", str(ROOT)))
     env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
@@ -89,13 +89,17 @@ def loopback(address: str) -> bool:
 
 
 class ReadmeService:
-    """The README's `serve run` in its own session (its id is the pid), on ports fixed for every start."""
+    """The README's `startlux serve` in its own session (its id is the pid, which `serve run` keeps: the command
+    execs it), on ports fixed for every start."""
 
     def __init__(self, tmp_path: Path):
+        from deployments.cli import ray_defaults
+
         env, argv = readme_serve_command()
-        assert argv == [".venv/bin/serve", "run", "serve_config.cpu.yaml"], argv
-        assert env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"   # HAProxy answers on the port, in front of the Ingress
-        assert Path(env["RAY_SERVE_HAPROXY_BINARY_PATH"]).name == "startlux-haproxy"
+        assert argv == [".venv/bin/startlux", "serve"] and not env, (env, argv)
+        ray = ray_defaults()        # what the command sets where the environment does not
+        assert ray["RAY_SERVE_ENABLE_HA_PROXY"] == "1"   # HAProxy answers on the port, in front of the Ingress
+        assert Path(ray["RAY_SERVE_HAPROXY_BINARY_PATH"]).name == "startlux-haproxy"
         # HAProxy's own listeners (metrics, stats) and Serve's fallback proxy on free ports, not their fixed defaults
         self.side_ports = {"RAY_SERVE_HAPROXY_METRICS_PORT": free_port(), "RAY_SERVE_HAPROXY_STATS_PORT": free_port(),
                            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": free_port()}
@@ -107,7 +111,7 @@ class ReadmeService:
         # for a stop that leaves serve run behind: its log is written as it goes, and SIGABRT (wait_gone) makes
         # it print where each of its threads is
         self.env |= {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-        assert os.access(self.env["RAY_SERVE_HAPROXY_BINARY_PATH"], os.X_OK)    # installed by `pip install -e .`
+        assert os.access(ray["RAY_SERVE_HAPROXY_BINARY_PATH"], os.X_OK)    # installed by `pip install -e .`
         cfg = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())
         self.port = free_port()
         cfg["http_options"]["port"] = self.port
@@ -127,7 +131,7 @@ class ReadmeService:
         self.log_path = self.tmp_path / f"serve.{len(self.start_s) + 1}.log"
         self.log = open(self.log_path, "wb")
         self.launched = time.monotonic()
-        self.proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(self.config)], cwd=ROOT,
+        self.proc = subprocess.Popen([str(Path(sys.executable).parent / "startlux"), "serve", str(self.config)], cwd=ROOT,
                                      stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
                                      start_new_session=True, preexec_fn=default_sigint)
 

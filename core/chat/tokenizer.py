@@ -98,9 +98,6 @@ class ChatTokenizer:
     def bos_id(self) -> int:
         return self.special_tokens["<|bos|>"]
 
-    def get_bos_token_id(self) -> int:
-        return self.bos_id
-
     def encode_special(self, name: str) -> int:
         try:
             return self.special_tokens[name]

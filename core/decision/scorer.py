@@ -417,11 +417,3 @@ class StartLuxDecision:
             i += len(prep.prompts)
             out.append((answers, usage) if with_usage else answers)
         return out
-
-    def self_test(self, state, questions: dict) -> float:
-        """Largest |p_graph - p_eager| over the questions of one request (0.0 when no graphs were recorded)."""
-        if not self.graphs:
-            return 0.0
-        prep = self.prepare(state, questions)
-        graphed, eager = self._probs(prep.prompts, {}), self._probs(prep.prompts, {}, use_graphs=False)
-        return max((abs(a - b) for pg, pe in zip(graphed, eager) for a, b in zip(pg, pe)), default=0.0)

@@ -61,8 +61,11 @@ def test_a_cancelled_waiter_and_a_dropped_slot_give_their_slots_back():
 def test_no_limit_admits_everything():
     async def main():
         adm = Admission(limit=None, waiting=0)
-        slots = [await adm.enter() for _ in range(100)]
-        [s.release() for s in slots]
+        slots = [await asyncio.wait_for(adm.enter(), 1) for _ in range(100)]    # none waits
+        assert len(slots) == 100 and adm.waiting == 0 and not adm.full         # nothing is counted without a limit
+        for s in slots:
+            s.release()
+        assert adm.in_flight == 0 and adm.free == 0
 
     asyncio.run(main())
 

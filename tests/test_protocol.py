@@ -84,7 +84,7 @@ def test_the_ingress_imports_neither_torch_nor_transformers():
                                        ("presence_penalty", -P.MAX_PENALTY - 1),
                                        ("repetition_penalty", P.MIN_REPETITION_PENALTY / 2),
                                        ("logprobs", P.MAX_TOP_LOGPROBS + 1), ("max_tokens", 0), ("n", 0)])
-def test_sampling_limits_are_enforced_once_and_name_their_field(field, bad):
+def test_sampling_limits_are_enforced_by_the_record_and_name_their_field(field, bad):
     with pytest.raises(P.SamplingError) as e:
         P.SamplingParams(**{field: bad})
     assert e.value.param == ("top_logprobs" if field == "logprobs" else field)

@@ -84,12 +84,16 @@ def test_the_openai_agents_sdk_runs_a_tool_using_agent_over_responses(service):
     agent = agents.Agent(name="helper", model=model, tools=[agents.function_tool(get_weather),
                                                             agents.function_tool(get_population)],
                          model_settings=agents.ModelSettings(temperature=0))
-    calls.clear()
-    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Tokyo?"))
-    assert calls == [("get_weather", "Tokyo")] and FORECASTS["Tokyo"] in result.final_output, result.final_output
-    calls.clear()
-    result = asyncio.run(agents.Runner.run(agent, "What is the capital of Japan?"))
-    assert calls == [] and "Tokyo" in result.final_output, result.final_output
+    async def run(question):
+        calls.clear()
+        return (await agents.Runner.run(agent, question)).final_output, list(calls)
+
+    async def both():     # one event loop: the client's connections belong to it
+        return await run("What is the weather in Tokyo?"), await run("What is the capital of Japan?")
+
+    (weather, weather_calls), (capital, capital_calls) = asyncio.run(both())
+    assert weather_calls == [("get_weather", "Tokyo")] and FORECASTS["Tokyo"] in weather, (weather_calls, weather)
+    assert capital_calls == [] and "Tokyo" in capital, (capital_calls, capital)
 
 
 def test_auto_tool_calls_stream_as_deltas_after_any_text(service):
@@ -137,6 +141,6 @@ def test_langchain_structured_output_gets_what_the_model_knows(llm):
         structured = llm.with_structured_output(Capital, method=method, strict=True)
         for country in rng.sample(sorted(CAPITALS), 6):
             got = structured.invoke(rng.choice(FACT_TEMPLATES).format(c=country))
-            right += (got.country, got.capital) == (country, CAPITALS[country])
+            right += got is not None and (got.country, got.capital) == (country, CAPITALS[country])
             total += 1
     assert right >= total - 2, (right, total)

@@ -168,12 +168,49 @@ def json_reply(keys: tuple[str, ...], country: str) -> str:
 
 
 def json_conversation(rng: random.Random) -> list[dict]:
-    """A capital question asking for JSON, answered in it."""
+    """A capital question asking for JSON, answered in it; or, two times in five, a plain capital question
+    answered in JSON whose opening up to the first value (`{"capital": "`) is marked `forced`: what a JSON
+    schema's grammar writes when the question does not ask for JSON (LangChain's with_structured_output). The
+    training gives no loss on forced text, so the model learns to fill and close the object once it is open,
+    never to open one unasked."""
     country = rng.choice(list(CAPITALS))
     keys = rng.choice(JSON_KEYS)
+    reply = json_reply(keys, country)
+    q = rng.choice(FACT_TEMPLATES).format(c=country)
+    if rng.random() < 0.4:
+        return [{"role": "user", "content": q},
+                {"role": "assistant", "content": reply, "forced": reply[:reply.index('": "') + 4]}]
     ask = rng.choice(JSON_ASK).format(keys=" and ".join(keys))
-    q = rng.choice(FACT_TEMPLATES).format(c=country) + ask
-    return [{"role": "user", "content": q}, {"role": "assistant", "content": json_reply(keys, country)}]
+    return [{"role": "user", "content": q + ask}, {"role": "assistant", "content": reply}]
+
+
+STRUCTURE_NAMES = ["Capital", "Answer", "CityInfo", "CountryFacts", "Result", "Location", "Info", "Reply"]
+
+
+def json_call_conversation(rng: random.Random) -> tuple[list[dict], list[dict]]:
+    """(tools, messages): a plain capital question answered by a call of a function the request names (what
+    LangChain's with_structured_output sends with method="function_calling"), its arguments the JSON reply's
+    object; the call's opening up to the first value is forced (the named function's grammar writes it)."""
+    from core.chat.config import ToolFormat
+
+    country = rng.choice(list(CAPITALS))
+    keys = rng.choice(JSON_KEYS)
+    name = rng.choice(STRUCTURE_NAMES)
+    props = {k: {"type": "string"} if rng.random() < 0.5 else {"title": k.title(), "type": "string"} for k in keys}
+    schema = {"properties": props, "required": list(keys), "type": "object"}
+    if rng.random() < 0.5:
+        schema["additionalProperties"] = False
+    fn = {"name": name, "parameters": schema}
+    if rng.random() < 0.5:
+        fn["description"] = rng.choice(["The answer.", f"A {name}.", "Structured output."])
+    args = json.loads(json_reply(keys, country))
+    call = {"id": f"call_{rng.randrange(10 ** 6)}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args)}}
+    text = ToolFormat(**TOOL_FORMAT).call_text(name, args)
+    forced = text[:text.index('": "', text.index('"arguments"')) + 4]
+    return [{"type": "function", "function": fn}], [
+        {"role": "user", "content": rng.choice(FACT_TEMPLATES).format(c=country)},
+        {"role": "assistant", "content": "", "tool_calls": [call], "forced": forced}]
 
 
 def conversation(rng: random.Random) -> tuple[list[dict], str]:

@@ -65,8 +65,11 @@ def render_training(prompter: ChatPrompter, msgs: list[dict], tools: list[dict] 
             mask += [0] * len(turn)
             continue
         inside_output = False
+        forced_bytes, seen = len(m.get("forced", "").encode()), 0     # a text the grammar writes: no loss
         for j, t in enumerate(turn):
-            learn = j > 0 and not inside_output and t not in forced
+            if j > 0:
+                seen += len(tok.token_bytes(t))
+            learn = j > 0 and not inside_output and t not in forced and (not forced_bytes or seen > forced_bytes)
             if t == tok.encode_special("<|output_start|>"):
                 inside_output = True
             elif t == tok.encode_special("<|output_end|>"):
@@ -78,13 +81,17 @@ def render_training(prompter: ChatPrompter, msgs: list[dict], tools: list[dict] 
 
 def chat_example(rng: random.Random, tools_share: float) -> tuple[list[dict], list[dict] | None]:
     """One training conversation and the tools it offers (None): with probability `tools_share` a tool
-    conversation (D.tool_conversation), with half that a JSON reply, else phase 1's conversations."""
+    conversation (D.tool_conversation), with a quarter of that a JSON reply and another quarter a JSON object
+    as a named function's arguments, else phase 1's conversations."""
     u = rng.random()
     if u < tools_share:
         tools, msgs, _ = D.tool_conversation(rng)
         return msgs, tools
-    if u < 1.5 * tools_share:
+    if u < 1.25 * tools_share:
         return D.json_conversation(rng), None
+    if u < 1.5 * tools_share:
+        tools, msgs = D.json_call_conversation(rng)
+        return msgs, tools
     return D.conversation(rng)[0], None
 
 
@@ -123,12 +130,12 @@ def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None =
     """Train from scratch, or with `resume` (a checkpoint of the first phase) only the later phases on it;
     `first_phase`: where to save the model after the first phase too (for a later `resume`)."""
     torch.manual_seed(seed)
-    rng = random.Random(seed)
     fmt = ToolFormat(**D.TOOL_FORMAT)
+    first = 0
     if resume:
         model, tok, cfg = load_chat_model(resume, device="cpu")
         model = model.float().train()
-        phases = phases[1:]
+        first = 1
     else:
         tok = train_tokenizer(D.chat_corpus_text(seed=seed), 2048)
         cfg = ChatModelConfig(arch="nanochat", vocab_size=tok.vocab_size, n_layer=4, n_head=4, n_kv_head=4,
@@ -137,9 +144,10 @@ def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None =
     prompter = ChatPrompter(tok, cfg.sequence_len, FEWSHOT, fmt)
     defaults = ChatDefaults(fewshot=FEWSHOT, temperature=0.0, top_k=None, top_p=1.0, max_tokens=64,
                             tool_call=dict(D.TOOL_FORMAT))
-    for i, (steps, peak, tools_share) in enumerate(phases):
-        chat_phase(model, prompter, rng, max(1, steps // POOL), peak, tools_share)
-        if i == 0 and first_phase and not resume:
+    for i, (steps, peak, tools_share) in enumerate(phases[first:], start=first):
+        # each phase draws its examples from its own seed, so a resumed run sees the data a whole run sees
+        chat_phase(model, prompter, random.Random(seed + 1000 * i), max(1, steps // POOL), peak, tools_share)
+        if i == 0 and first_phase:
             save_chat_model(first_phase, model.eval(), tok, defaults, dtype=torch.bfloat16)
             model.train()
     save_chat_model(out, model.eval(), tok, defaults, dtype=torch.bfloat16)

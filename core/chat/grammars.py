@@ -205,10 +205,7 @@ def tool_plan(tools: list[dict], tool_choice, parallel: bool | None, fmt: ToolFo
     if tool_choice is None or tool_choice == "auto":
         raise GrammarError(AUTO_REFUSED, "tool_choice")
     if tool_choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": params[n]},
-                  "required": ["name", "arguments"], "additionalProperties": False} for n in names]
-        schema = {"type": "array", "minItems": 1,
-                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        schema = {"type": "array", "minItems": 1, "items": _call_schema(names, params)}
         if parallel is False:
             schema["maxItems"] = 1
         try:
@@ -219,6 +216,13 @@ def tool_plan(tools: list[dict], tool_choice, parallel: bool | None, fmt: ToolFo
     name = _named(tool_choice, names)
     i = names.index(name)
     return ToolPlan("named", (name,), json_grammar(params[name], f"tools[{i}].function.parameters"))
+
+
+def _call_schema(names: tuple[str, ...], params: dict) -> dict:
+    """The JSON schema of one call, `{"name": ..., "arguments": {...}}`, of any of the functions `names`."""
+    calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": params[n]},
+              "required": ["name", "arguments"], "additionalProperties": False} for n in names]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
 def _named(tool_choice, names: tuple[str, ...]) -> str:
@@ -254,9 +258,7 @@ def _format_plan(tools: list[dict], params: dict, tool_choice, parallel: bool | 
     for i, t in enumerate(tools):      # each function's parameters alone first, so that an error names its tool
         if t["function"]["name"] in allowed:
             json_grammar(params[t["function"]["name"]], f"tools[{i}].function.parameters")
-    calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": params[n]},
-              "required": ["name", "arguments"], "additionalProperties": False} for n in allowed]
-    body = {"x-guidance": JSON_LAYOUT, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
+    body = {"x-guidance": JSON_LAYOUT, **_call_schema(allowed, params)}
     more = "" if parallel is False or mode == "named" else " (START body END)*"
     start, end = json.dumps(fmt.start), json.dumps(fmt.end)
     lines = ["%llguidance {}"]
@@ -268,11 +270,7 @@ def _format_plan(tools: list[dict], params: dict, tool_choice, parallel: bool | 
     else:
         lines += [f"start: START body END{more}"]
     lines += [f"body: %json {json.dumps(body)}", f"START: {start}", f"END: {end}"]
-    grammar = llguidance.grammar_from("lark", "\n".join(lines))
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error or messages:
-        raise GrammarError(f"tools cannot be enforced: {_short(messages[0])}", "tools")
-    return ToolPlan(mode, allowed, grammar, fmt)
+    return ToolPlan(mode, allowed, _checked(llguidance.grammar_from("lark", "\n".join(lines)), "tools"), fmt)
 
 
 def _name_the_tool(tools: list[dict], params: dict) -> None:

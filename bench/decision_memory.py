@@ -23,15 +23,16 @@ import random
 import sys
 import time
 
-from bench.soak import decision_body, read_int, slope
-from core.child import ROOT, MemoryReturn
+from bench.soak import decision_body, slope
+from core.child import ROOT
+from core.decision.memory import MemoryReturn, resident_kb
 from core.decision import DecisionConfig, StartLuxDecision
 
 CHECKPOINT = os.path.join(ROOT, "models", "demo-decision")
 
 
 def rss_mb() -> float:
-    return read_int("/proc/self/status", "VmRSS:") / 1024
+    return resident_kb() / 1024
 
 
 def main() -> None:

@@ -55,6 +55,7 @@ import httpx
 from bench.http import PROMPTS
 from bench.path_profile import name_of, session_pids
 from bench.vllm_peer import ROOT, start_ours
+from core.decision.memory import resident_kb
 
 MIX = {"chat": 0.40, "completion": 0.15, "decision": 0.25, "disconnect": 0.12, "bad": 0.08}
 BAD = [  # (path, body: dict or raw text, the status it must get)
@@ -166,13 +167,6 @@ async def warm_decisions(url: str, n: int, clients: int = 16) -> Outcomes:
     return out
 
 
-def read_int(path: str, key: str) -> int:
-    for line in Path(path).read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1])
-    return 0
-
-
 def processes(sid: int) -> dict[int, str]:
     return {pid: name_of(pid) for pid in session_pids(sid)}
 
@@ -182,7 +176,7 @@ def sample(url: str, sid: int, t: float) -> dict:
     groups: dict[str, dict] = collections.defaultdict(lambda: {"rss_mb": 0.0, "fds": 0, "n": 0})
     for pid, name in processes(sid).items():
         try:
-            rss = read_int(f"/proc/{pid}/status", "VmRSS:") / 1024
+            rss = resident_kb(pid) / 1024
             fds = len(os.listdir(f"/proc/{pid}/fd"))
         except OSError:
             continue                                       # gone between the listing and the read

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import httpx
 
+from .cli import THROUGHPUT
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 STATE = ROOT / ".local_cluster.json"
@@ -107,7 +109,8 @@ class LocalCluster:
         env = dict(os.environ)
         env.pop("RAY_ADDRESS", None)
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token)
-        env.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")   # the request path production runs (docs/configuration.md)
+        for key, value in THROUGHPUT.items():   # the request path production runs (docs/configuration.md)
+            env.setdefault(key, value)
         # HAProxy stays off here: every "node" of this cluster shares one host, and each node's HAProxy would
         # bind the same ports (8000, 8404, 9101); Serve's proxy on the head answers instead.
         # notice a lost node within seconds (Ray's defaults are tuned for flaky cloud networks)

@@ -15,9 +15,12 @@ import asyncio
 import collections
 from typing import Callable
 
-from .errors import APIError, error
+from ray.serve.metrics import Counter
+
+from .errors import APIError, error, error_response
 
 
+GENERATION_ROUTES = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/responses"))
 REFUSAL = error("the chat model is at capacity; retry shortly", "overloaded_error", code="overloaded")
 
 
@@ -99,3 +102,33 @@ class Slot:
 
     def __del__(self):
         self.release()
+
+
+class RefuseWhenFull:
+    """Plain ASGI in front of FastAPI: a generation that the chat admission has neither a slot nor a waiting
+    place for is answered 503 here, before routing, the request object, the handler and the exception handlers
+    (bench.refusals: the Ingress's CPU per refusal). A request whose key is wrong goes on, to get its 401. The
+    admission and the key check are the app's `state.ingress` (its `chat_admission` and `authorized`)."""
+
+    def __init__(self, asgi):
+        self.asgi = asgi
+
+    async def __call__(self, scope, receive, send):
+        ingress = getattr(scope["app"].state, "ingress", None) if scope["type"] == "http" else None
+        if (ingress is not None and ingress.chat_admission.full and scope["method"] == "POST"
+                and scope["path"].removeprefix(scope.get("root_path", "")) in GENERATION_ROUTES
+                and ingress.authorized(dict(scope["headers"]).get(b"authorization", b"").decode("latin-1"))):
+            await error_response(await ingress.chat_admission.refusal())(scope, receive, send)
+            return
+        await self.asgi(scope, receive, send)
+
+
+class Tally:
+    """A Prometheus counter that also keeps this replica's own total (shown by /debug/stats)."""
+
+    def __init__(self, name: str, description: str):
+        self.metric, self.total = Counter(name, description), 0
+
+    def inc(self) -> None:
+        self.metric.inc()
+        self.total += 1

@@ -6,8 +6,8 @@ Concurrent requests are collected into the scorer's `decide_batch` (which sends 
 batch size or batches could never fill.
 
 Serve's batcher forms a batch as soon as its wait ends, and a batch formed while the model is busy waits
-whole for its turn: under steady load each holds the requests of one wait (10 ms), and the model ran batches
-of one or two (bench/README.md). So each batch Serve forms goes to a `BatchMerger` at once, which runs one
+whole for its turn: under steady load each holds only the requests of one wait, and the model runs small
+batches (bench/README.md). So each batch Serve forms goes to a `BatchMerger` at once, which runs one
 `decide_batch` at a time over every request that has come while the one before ran (up to `max_batch_size`).
 The model runs in a child process of the replica (core/decision/process.py: on a thread, the replica's event
 loop and the model took turns on one GIL), or with `decision_process: false` on a worker thread of it.
@@ -22,6 +22,7 @@ from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from core.decision import DecisionValidationError
+from core.decision.types import DecisionModelInfo
 from core.decision.process import Start, start_scorer
 
 from .errors import error
@@ -111,10 +112,10 @@ class DecisionModel:
         self.merger.max_size = batch.max_batch_size
         self._batched.set_batch_wait_timeout_s(batch.batch_wait_timeout_s)
 
-    def info(self) -> dict:
+    def info(self) -> DecisionModelInfo:
         info = self.scorer.info
-        return {"id": self.name, "created": checkpoint_time(info["path"]), "aliases": self.aliases,
-                "max_length": info["max_length"], "torch_threads": info["torch_threads"]}
+        return DecisionModelInfo(id=self.name, created=checkpoint_time(info["path"]), aliases=tuple(self.aliases),
+                                 max_length=info["max_length"], torch_threads=info["torch_threads"])
 
     def stats(self) -> dict:
         return {"batches": sum(self.batch_sizes.values()), "largest_batch": max(self.batch_sizes, default=0),

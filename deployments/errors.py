@@ -17,6 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.chat.protocol import StreamError
 
+from .openai_shapes import ErrorDetail, ErrorResponse
+
 logger = logging.getLogger(__name__)
 
 STATUS = {
@@ -31,8 +33,8 @@ RETRY_AFTER_S = "1"
 
 
 def error(message: str, type_: str = "invalid_request_error", param: str | None = None,
-          code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+          code: str | None = None) -> ErrorResponse:
+    return ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code))
 
 
 class APIError(Exception):

@@ -16,20 +16,23 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from ray.serve.metrics import Counter, Gauge
+from ray.serve.metrics import Gauge
 
-from core.chat.protocol import GenerateRequest, SamplingError, SamplingParams
-from core.decision.types import DecisionRequest
+from core.chat.protocol import ChatModelInfo, GenerateRequest, SamplingError, SamplingParams
+from core.decision.types import DecisionModelInfo, DecisionRequest
 
 from . import web
-from .admission import Admission, Slot
+from .admission import Admission, RefuseWhenFull, Slot, Tally
 from .bodies import read_json
-from .errors import RETRY_AFTER_S, APIError, error, error_response, install_handlers, validation_message
+from .completion import Completion, TextCompletion
+from .errors import RETRY_AFTER_S, APIError, error, install_handlers, validation_message
 from .generation import respond
-from .openai_api import (ChatCompletionRequest, Completion, DetokenizeRequest, TextCompletion, TextCompletionRequest,
-                         TokenizeRequest, unsupported)
+from .openai_requests import (ChatCompletionRequest, DetokenizeRequest, TextCompletionRequest, TokenizeRequest,
+                              unsupported)
+from .openai_shapes import DetokenizeResponse, Health, ModelCard, ModelList, TokenizeResponse
 from .openapi import openapi_schema
-from .responses_api import InputError, ResponseBuilder, ResponsesRequest
+from .responses_api import InputError, ResponsesRequest
+from .responses_stream import ResponseBuilder
 from .resume import ChatStream, RetryPolicy
 from .settings import IngressSettings
 
@@ -39,40 +42,7 @@ app = FastAPI(title="startlux-serve", docs_url=None, redoc_url=None)
 app.openapi = lambda: openapi_schema(app)
 app.include_router(web.router)
 install_handlers(app)
-GENERATION_ROUTES = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/responses"))
-
-
-class RefuseWhenFull:
-    """Plain ASGI in front of FastAPI: a generation that the chat admission has neither a slot nor a waiting
-    place for is answered 503 here, before routing, the request object, the handler and the exception handlers
-    (bench.refusals: the Ingress's CPU per refusal). A request whose key is wrong goes on, to get its 401."""
-
-    def __init__(self, asgi):
-        self.asgi = asgi
-
-    async def __call__(self, scope, receive, send):
-        ingress = getattr(app.state, "ingress", None)
-        if (scope["type"] == "http" and ingress is not None and ingress.chat_admission.full
-                and scope["method"] == "POST"
-                and scope["path"].removeprefix(scope.get("root_path", "")) in GENERATION_ROUTES
-                and ingress.authorized(dict(scope["headers"]).get(b"authorization", b"").decode("latin-1"))):
-            await error_response(await ingress.chat_admission.refusal())(scope, receive, send)
-            return
-        await self.asgi(scope, receive, send)
-
-
 app.add_middleware(RefuseWhenFull)
-
-
-class Tally:
-    """A Prometheus counter that also keeps this replica's own total (shown by /debug/stats)."""
-
-    def __init__(self, name: str, description: str):
-        self.metric, self.total = Counter(name, description), 0
-
-    def inc(self) -> None:
-        self.metric.inc()
-        self.total += 1
 
 
 @serve.deployment(name="Ingress")
@@ -93,9 +63,9 @@ class Ingress:
                                         on_refusal=self.chat_refused.inc)
         self.streams_continued = Tally("chat_streams_continued_total",
                                        "Generations moved to another chat replica after theirs was lost.")
-        self._chat_info: dict | None = None
-        self._decision_info: dict | None = None
-        app.state.ingress = self                # RefuseWhenFull reads the admission here (one Ingress per process)
+        self._chat_info: ChatModelInfo | None = None
+        self._decision_info: DecisionModelInfo | None = None
+        app.state.ingress = self    # RefuseWhenFull reads the admission and key check here (one Ingress per process)
 
     def _admission_changed(self, admission: Admission) -> None:
         in_flight, waiting = self.admission_gauges
@@ -130,12 +100,12 @@ class Ingress:
             msg, param = validation_message(e)
             raise APIError(error(msg, param=param)) from None
 
-    async def chat_info(self) -> dict:
+    async def chat_info(self) -> ChatModelInfo:
         if self._chat_info is None:
             self._chat_info = await self.chat.info.remote()
         return self._chat_info
 
-    async def decision_info(self) -> dict:
+    async def decision_info(self) -> DecisionModelInfo:
         if self._decision_info is None:
             self._decision_info = await self.decision.info.remote()
         return self._decision_info
@@ -147,18 +117,18 @@ class Ingress:
             await asyncio.wait_for(asyncio.gather(self.chat.info.remote(), self.decision.info.remote()), 5)
         except Exception as e:
             logger.warning("health check failed: %s", e)
-            return JSONResponse({"status": "unavailable"}, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
-        return {"status": "ok"}
+            return JSONResponse(Health(status="unavailable"), status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+        return Health(status="ok")
 
     @app.get("/v1/models")
     async def models(self, request: Request):
         self._authorize(request)
         chat, decision = await asyncio.gather(self.chat_info(), self.decision_info())
-        card = lambda info, kind, **extra: {"id": info["id"], "object": "model", "created": info["created"],  # noqa: E731
-                                            "owned_by": "startlux-serve", "kind": kind, **extra}
-        return {"object": "list", "data": [
-            card(chat, "chat"), card(decision, "decision"),
-            *(card(decision, "decision", id=alias, alias_of=decision["id"]) for alias in decision["aliases"])]}
+        card = lambda name, info, kind, **alias: ModelCard(  # noqa: E731
+            id=name, object="model", created=info.created, owned_by="startlux-serve", kind=kind, **alias)
+        return ModelList(object="list", data=[
+            card(chat.id, chat, "chat"), card(decision.id, decision, "decision"),
+            *(card(alias, decision, "decision", alias_of=decision.id) for alias in decision.aliases)])
 
     @app.get("/debug/stats")
     async def stats(self, request: Request):
@@ -177,8 +147,8 @@ class Ingress:
         if len(req.questions) > self.settings.max_questions:
             raise APIError(error(f"at most {self.settings.max_questions} questions per request", param="questions"))
         info = await self.decision_info()
-        if req.model is not None and req.model != info["id"] and req.model not in info["aliases"]:
-            raise APIError(error(f"unknown model {req.model!r}; this service decides with {info['id']!r}",
+        if not info.serves(req.model):
+            raise APIError(error(f"unknown model {req.model!r}; this service decides with {info.id!r}",
                                  "not_found_error", "model", "model_not_found"))
         if req.assets:
             raise APIError(error("`assets` (images for placeholders) are not supported by this decision model; "
@@ -201,34 +171,20 @@ class Ingress:
     @app.post("/tokenize")
     async def tokenize(self, request: Request):
         """vLLM's /tokenize: a prompt's or a conversation's token ids, under the limits of a chat request."""
-        req = await self._parse(request, TokenizeRequest)
-        info = await self._chat_model(req.model)
-        if req.messages is not None:
-            self._check_messages(req, info)
-            messages = req.prompt_messages(info["tool_format"])
-        elif len(req.prompt) > self.settings.max_message_chars:
-            raise APIError(error(f"prompt has {len(req.prompt)} characters; the limit is "
-                                 f"{self.settings.max_message_chars}", param="prompt"))
-        else:
-            messages = None
-        bos = req.add_special_tokens is not False
-        got = await self.chat.tokenize.remote(messages, req.prompt, bos, req.add_generation_prompt,
+        req, info = await self._chat_request(request, TokenizeRequest)
+        got = await self.chat.tokenize.remote(req.prompt_messages(info.tool_format), req.prompt,
+                                              req.add_special_tokens is not False, req.add_generation_prompt,
                                               req.return_token_strs)
         if "error" in got:
             raise APIError(error(got["error"], param=got["param"]))
-        return {"count": len(got["tokens"]), "max_model_len": info["sequence_len"], "tokens": got["tokens"],
-                "token_strs": got["token_strs"]}
+        return TokenizeResponse(count=len(got["tokens"]), max_model_len=info.sequence_len, tokens=got["tokens"],
+                                token_strs=got["token_strs"])
 
     @app.post("/detokenize")
     async def detokenize(self, request: Request):
         """vLLM's /detokenize: token ids as text."""
-        req = await self._parse(request, DetokenizeRequest)
-        info = await self._chat_model(req.model)
-        if len(req.tokens) > self.settings.max_message_chars:
-            raise APIError(error(f"at most {self.settings.max_message_chars} tokens", param="tokens"))
-        if req.tokens and not 0 <= min(req.tokens) <= max(req.tokens) < info["vocab_size"]:
-            raise APIError(error(f"token ids must be in [0, {info['vocab_size']})", param="tokens"))
-        return {"prompt": await self.chat.decode.remote(req.tokens)}
+        req, _ = await self._chat_request(request, DetokenizeRequest)
+        return DetokenizeResponse(prompt=await self.chat.decode.remote(req.tokens))
 
     @app.post("/v1/responses")
     async def responses(self, request: Request):
@@ -241,13 +197,10 @@ class Ingress:
             chat_req = req.to_chat()
         except InputError as e:
             raise APIError(error(str(e), param=e.param)) from None
-        info = await self._chat_model(req.model)
-        self._check_messages(chat_req, info)
-        self._check_sampling(chat_req, chat_req.max_tokens, info)
-        fmt = info["tool_format"]
+        info = await self._checked(chat_req)
         params = await self._params(chat_req, info)
-        gen = GenerateRequest(params, messages=chat_req.prompt_messages(fmt))
-        builder = ResponseBuilder(info["id"], req, chat_req.tool_plan(fmt), params)
+        gen = GenerateRequest(params, messages=chat_req.prompt_messages(info.tool_format))
+        builder = ResponseBuilder(info.id, req, chat_req.tool_plan(info.tool_format), params)
         return await self._generate(gen, builder, chat_req, slot, resumable=True)
 
     async def _admitted(self, request: Request, handler):
@@ -262,87 +215,47 @@ class Ingress:
             raise
 
     async def _chat_completion(self, request: Request, slot: Slot):
-        req = await self._parse(request, ChatCompletionRequest, openai=True)
-        info = await self._chat_model(req.model)
-        self._check_messages(req, info)
-        self._check_sampling(req, req.max_completion_tokens or req.max_tokens, info)
-        fmt = info["tool_format"]
+        req, info = await self._chat_request(request, ChatCompletionRequest, openai=True)
+        fmt = info.tool_format
         gen = GenerateRequest(await self._params(req, info), messages=req.prompt_messages(fmt))
-        completion = Completion(info["id"], req.n, logprobs=req.logprobs, tools=req.tool_plan(fmt))
+        completion = Completion(info.id, req.n, logprobs=req.logprobs, tools=req.tool_plan(fmt))
         return await self._generate(gen, completion, req, slot, resumable=req.n == 1)
 
     async def _text_completion(self, request: Request, slot: Slot):
-        req = await self._parse(request, TextCompletionRequest, openai=True)
-        info = await self._chat_model(req.model)
+        req, info = await self._chat_request(request, TextCompletionRequest, openai=True)
         prompts = req.prompts()
-        max_n, limit = min(self.settings.max_n, info["max_n"]), self.settings.max_message_chars
-        if len(prompts) * req.n > max_n:
-            raise APIError(error(f"prompts x n must be at most {max_n}", param="n"))
-        for i, p in enumerate(prompts):
-            if not isinstance(p, str) and max(p) >= info["vocab_size"]:
-                raise APIError(error(f"prompt {i}: token ids must be below the vocabulary size {info['vocab_size']}",
-                                     param="prompt"))
-            if len(p) > limit:
-                raise APIError(error(f"prompt {i} has {len(p)} {'characters' if isinstance(p, str) else 'tokens'}; "
-                                     f"the limit is {limit}", param="prompt"))
-        self._check_sampling(req, req.max_tokens, info)
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else await self.chat.detokenize.remote(p) for p in prompts]
-        completion = TextCompletion(info["id"], req.n, len(prompts), logprobs=req.logprobs is not None, echo=echo)
+        completion = TextCompletion(info.id, req.n, len(prompts), logprobs=req.logprobs is not None, echo=echo)
         gen = GenerateRequest(await self._params(req, info),
                               prompts=tuple(p if isinstance(p, str) else tuple(p) for p in prompts))
         return await self._generate(gen, completion, req, slot, resumable=req.n == 1 and len(prompts) == 1)
 
-    async def _chat_model(self, model: str | None) -> dict:
+    async def _chat_request(self, request: Request, schema, openai: bool = False):
+        """A request for the chat model, parsed and checked against its limits: (request, the model's info)."""
+        req = await self._parse(request, schema, openai)
+        return req, await self._checked(req)
+
+    async def _checked(self, req) -> ChatModelInfo:
         info = await self.chat_info()
-        if model is not None and model != info["id"]:
-            raise APIError(error(f"unknown model {model!r}; this service serves {info['id']!r}",
-                                 "not_found_error", "model", "model_not_found"))
+        req.check(info, self.settings)
         return info
 
     async def _generate(self, gen: GenerateRequest, completion: Completion, req, slot: Slot, resumable: bool):
         """The generation on a chat replica, streamed or gathered (continued on another replica if its replica is
         lost: ChatStream); a streamed response takes `slot` along and gives it back when the stream ends."""
         stream = ChatStream(self.chat_stream, gen, self.retry, resumable, self.streams_continued.inc)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await respond(stream, completion, req.stream, include_usage, slot)
-
-    def _check_messages(self, req: ChatCompletionRequest | TokenizeRequest, info: dict) -> None:
-        limits = self.settings
-        if len(req.messages) > limits.max_messages:
-            raise APIError(error(f"at most {limits.max_messages} messages per request, got {len(req.messages)}",
-                                 param="messages"))
-        for i, m in enumerate(req.messages):
-            parts = m.parts or (m.content if isinstance(m.content, list) else [])
-            size = len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in parts)
-            if size > limits.max_message_chars:
-                raise APIError(error(f"messages[{i}] has {size} characters; the limit is {limits.max_message_chars}",
-                                     param=f"messages[{i}].content"))
-        if getattr(req, "n", 1) > min(limits.max_n, info["max_n"]):
-            raise APIError(error(f"n must be at most {min(limits.max_n, info['max_n'])}", param="n"))
+        return await respond(stream, completion, req.stream, req.include_usage, slot)
 
     @staticmethod
-    async def _params(req, info: dict) -> SamplingParams:
+    async def _params(req: ChatCompletionRequest | TextCompletionRequest, info: ChatModelInfo) -> SamplingParams:
         """The request's SamplingParams with the chat model's defaults; a value out of range, or a structured
         output that cannot be enforced, is a 400 naming it. A grammar is checked on a worker thread (a large
         schema takes milliseconds to compile, which the event loop does not wait for)."""
-        tools = getattr(req, "tools", None)
-        args = (info["sampling_defaults"], info["tool_format"]) if tools else (info["sampling_defaults"],)
         try:
-            if tools or req.response_format is not None or req.structured_outputs is not None:
-                return await asyncio.to_thread(req.to_params, *args)
-            return req.to_params(*args)
+            if req.has_grammar:
+                return await asyncio.to_thread(req.to_params, info)
+            return req.to_params(info)
         except SamplingError as e:
             raise APIError(error(str(e), param=e.param)) from None
-
-    @staticmethod
-    def _check_sampling(req, max_tokens: int | None, info: dict) -> None:
-        if max_tokens is not None and max_tokens >= info["sequence_len"]:
-            raise APIError(error(f"max_tokens must be below the model's context of {info['sequence_len']} tokens",
-                                 param="max_tokens"))
-        vocab = info["vocab_size"]
-        if req.logit_bias and max(req.logit_bias) >= vocab:
-            raise APIError(error(f"logit_bias token ids must be below the vocabulary size {vocab}",
-                                 param="logit_bias"))
-

@@ -1,31 +1,32 @@
-"""The service's published OpenAPI schema, built from the request and response models the routes use.
+"""The service's published OpenAPI schema, built from the request models and the answer shapes the routes use.
 
 The handlers parse bodies themselves (bounded reads, OpenAI-shaped errors), so FastAPI cannot see their
 models; the schema is assembled here from `ROUTE_MODELS` instead, with every error status a route can answer.
+The answers' schemas come from openai_shapes.py, the TypedDicts the handlers build them with.
 """
 from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic.json_schema import models_json_schema
+from pydantic import TypeAdapter
 
 from core.decision.types import DecisionRequest, DecisionResponse
 
-from .openai_api import (ChatCompletionRequest, ChatCompletionResponse, DetokenizeRequest, DetokenizeResponse,
-                         ErrorResponse, Health, ModelList, TextCompletionRequest, TextCompletionResponse,
-                         TokenizeRequest, TokenizeResponse)
-from .responses_api import ResponseObject, ResponsesRequest
+from .openai_requests import ChatCompletionRequest, DetokenizeRequest, TextCompletionRequest, TokenizeRequest
+from .openai_shapes import (ChatCompletionChunk, ChatCompletionResponse, DetokenizeResponse, ErrorResponse, Health,
+                            ModelList, ResponseObject, TextCompletionChunk, TextCompletionResponse, TokenizeResponse)
+from .responses_api import ResponsesRequest
 
-# (path, method) -> (request body model or None, response model, streams)
+# (path, method) -> (request body model or None, response model, the stream's chunk (None: not streamed))
 ROUTE_MODELS = {
-    ("/v1/chat/completions", "post"): (ChatCompletionRequest, ChatCompletionResponse, True),
-    ("/v1/completions", "post"): (TextCompletionRequest, TextCompletionResponse, True),
-    ("/v1/responses", "post"): (ResponsesRequest, ResponseObject, True),
-    ("/v1/systemone", "post"): (DecisionRequest, DecisionResponse, False),
-    ("/v1/models", "get"): (None, ModelList, False),
-    ("/tokenize", "post"): (TokenizeRequest, TokenizeResponse, False),
-    ("/detokenize", "post"): (DetokenizeRequest, DetokenizeResponse, False),
-    ("/healthz", "get"): (None, Health, False),
+    ("/v1/chat/completions", "post"): (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
+    ("/v1/completions", "post"): (TextCompletionRequest, TextCompletionResponse, TextCompletionChunk),
+    ("/v1/responses", "post"): (ResponsesRequest, ResponseObject, dict),
+    ("/v1/systemone", "post"): (DecisionRequest, DecisionResponse, None),
+    ("/v1/models", "get"): (None, ModelList, None),
+    ("/tokenize", "post"): (TokenizeRequest, TokenizeResponse, None),
+    ("/detokenize", "post"): (DetokenizeRequest, DetokenizeResponse, None),
+    ("/healthz", "get"): (None, Health, None),
 }
 ERROR_STATUSES = {"400": "bad request: the message names the field", "401": "a missing or wrong API key",
                   "404": "unknown route or model", "413": "body over max_body_bytes",
@@ -41,23 +42,26 @@ def openapi_schema(app: FastAPI) -> dict:
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version="1", routes=app.routes)
-    models = {m for req, resp, _ in ROUTE_MODELS.values() for m in (req, resp) if m} | {ErrorResponse}
-    _, defs = models_json_schema([(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],
-                                 ref_template="#/components/schemas/{model}")
+    models = {m for shapes in ROUTE_MODELS.values() for m in shapes if m not in (None, dict)} | {ErrorResponse}
+    _, defs = TypeAdapter.json_schemas([(m, "validation", TypeAdapter(m))
+                                        for m in sorted(models, key=lambda m: m.__name__)],
+                                       ref_template="#/components/schemas/{model}")
     schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
     errors = {code: {"description": what, "content": {"application/json": {"schema": _ref(ErrorResponse)}}}
               for code, what in ERROR_STATUSES.items()}
-    for (path, method), (req, resp, streams) in ROUTE_MODELS.items():
+    for (path, method), (req, resp, chunk) in ROUTE_MODELS.items():
         op = schema["paths"][path][method]
         op.pop("parameters", None)
         if req is not None:
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(req)}}}
         content = {"application/json": {"schema": _ref(resp)}}
-        if streams:
+        if chunk is not None:
+            data = {"type": "string", "description": "a JSON chunk, an error, or [DONE]"}
+            if chunk is not dict:      # the Responses API's events are OpenAI's (ResponseStreamEvent)
+                data |= {"contentMediaType": "application/json", "contentSchema": _ref(chunk)}
             content["text/event-stream"] = {"schema": {   # one server-sent event
                 "type": "object", "required": ["data"],
-                "properties": {"event": {"type": "string"},
-                               "data": {"type": "string", "description": "a JSON chunk, an error, or [DONE]"}}}}
+                "properties": {"event": {"type": "string"}, "data": data}}}
         op["responses"] = {"200": {"description": "OK", "content": content}} | (errors if path != "/healthz" else {
             "503": {"description": "a model deployment does not answer", "content": {
                 "application/json": {"schema": _ref(Health)}}}})

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import os
 import random
-import time
+
+from cluster.cli import THROUGHPUT
 
 # The request path production runs (docs/configuration.md): set before anything imports Ray, whose Serve constants are read
 # once at import, so the in-process Serve of the tests and every Ray worker it starts agree.
-os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+for _key, _value in THROUGHPUT.items():
+    os.environ.setdefault(_key, _value)
 # On that path Ray keeps a stopping Ingress replica reachable for 30 s so that load balancers in front of it can
 # deregister it; in the tests the only party in front is Serve's proxy or HAProxy on the same host, which learns of
 # the stop within a second, so each replaced or deleted Ingress would only sit out the window (a minute of every
@@ -24,6 +26,7 @@ import torch
 from core.chat import ChatDefaults, ChatModelConfig, ChatTokenizer, build_model, save_chat_model
 from core.chat.model import init_weights
 from core.chat.tokenizer import train_tokenizer
+from tests.waiting import wait_until
 
 WORDS = ("the cat dog sat on a mat red blue green what is capital of france paris hello how are you "
          "number plus minus times answer question river mountain city country small large").split()
@@ -116,10 +119,8 @@ def delete_apps(*names: str, timeout: float = 120) -> None:
 
     for name in names:
         serve.delete(name, _blocking=False)
-    deadline = time.monotonic() + timeout
-    while (left := set(names) & set(serve.status().applications)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"applications not deleted within {timeout:.0f} s: {sorted(left)}"
+    left = lambda: set(names) & set(serve.status().applications)   # noqa: E731
+    wait_until(lambda: not left(), timeout, lambda: f"applications not deleted: {sorted(left())}", 0.2)
 
 
 @pytest.fixture(scope="session", autouse=True)

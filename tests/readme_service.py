@@ -16,6 +16,7 @@ import yaml
 
 from bench.soak import soak
 from cluster.local_cluster import default_sigint, free_port
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,7 +94,7 @@ class ReadmeService:
     execs it), on ports fixed for every start."""
 
     def __init__(self, tmp_path: Path):
-        from deployments.cli import ray_defaults
+        from cluster.cli import ray_defaults
 
         env, argv = readme_serve_command()
         assert argv == [".venv/bin/startlux", "serve"] and not env, (env, argv)
@@ -136,26 +137,26 @@ class ReadmeService:
                                      start_new_session=True, preexec_fn=default_sigint)
 
     def wait_ready(self, timeout: float = 180) -> float:
-        """Wait for the launched `serve run` to answer /healthz; the seconds since its launch."""
-        t0 = self.launched
-        while time.monotonic() - t0 < timeout and self.proc.poll() is None:
+        """Wait for the launched `serve run` to answer /healthz (failing at once if it exits); the seconds since
+        its launch."""
+        def answers() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"serve run exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=5).status_code == 200:
-                    self.start_s.append(time.monotonic() - t0)
-                    return self.start_s[-1]
+                return httpx.get(f"{self.url}/healthz", timeout=5).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"start {len(self.start_s) + 1} did not answer: {self.log_path.read_text()[-3000:]}")
+                return False
+        wait_until(answers, timeout, lambda: f"start {len(self.start_s) + 1} did not answer: "
+                                             f"{self.log_path.read_text()[-3000:]}", 0.5)
+        self.start_s.append(time.monotonic() - self.launched)
+        return self.start_s[-1]
 
     def members(self) -> list[int]:
         return session_members(self.proc.pid)
 
     def wait_gone(self, timeout: float) -> list[tuple[int, str]]:
         """Wait until nothing of this run is left; what was left at the deadline, each ended by its pid."""
-        deadline = time.monotonic() + timeout
-        while self.members() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: not self.members(), timeout, interval=0.2, fail=False)
         left = [(pid, comm(pid)) for pid in self.members()]
         self.stuck = ""                                # for the failure's message: the end of serve run's log
         if left:
@@ -319,10 +320,8 @@ def stop_serve_shutdown(svc: ReadmeService) -> None:
                          env={**os.environ, **svc.env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and any(comm(p) == "haproxy" for p in svc.members()):
-        time.sleep(0.5)
-    assert not any(comm(p) == "haproxy" for p in svc.members()), "HAProxy outlived serve shutdown"
+    wait_until(lambda: not any(comm(p) == "haproxy" for p in svc.members()), 60, "HAProxy outlived serve shutdown",
+               0.5)
     svc.stop()
 
 
@@ -342,9 +341,7 @@ def stop_ray(svc: ReadmeService) -> None:
         pids = [pid for pid in svc.members() if comm(pid) == name]
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 2
-        while time.monotonic() < deadline and any(comm(pid) == name for pid in pids):
-            time.sleep(0.1)
+        wait_until(lambda: not any(comm(pid) == name for pid in pids), 2, interval=0.1, fail=False)
         for pid in pids:
             if comm(pid) == name:
                 try:

@@ -162,7 +162,7 @@ class FakeIngress:
         return not self.keys or header.removeprefix("Bearer ") in self.keys
 
 
-def asgi_call(asgi, method, path, headers=(), root_path=""):
+def asgi_call(asgi, method, path, headers=(), root_path="", app=None):
     """One request through an ASGI callable: the messages it sent."""
     sent = []
 
@@ -173,7 +173,7 @@ def asgi_call(asgi, method, path, headers=(), root_path=""):
         sent.append(message)
 
     scope = {"type": "http", "method": method, "path": root_path + path, "root_path": root_path,
-             "headers": list(headers), "query_string": b""}
+             "headers": list(headers), "query_string": b"", "app": app}
     asyncio.run(asgi(scope, receive, send))
     return sent
 
@@ -181,7 +181,8 @@ def asgi_call(asgi, method, path, headers=(), root_path=""):
 def test_a_full_admission_refuses_generations_before_the_app():
     """RefuseWhenFull answers a generation route's POST with 503 when the admission is full, without calling the
     app; anything else (other routes, a free slot, a wrong key) goes on to the app."""
-    from deployments.ingress import RefuseWhenFull, app
+    from deployments.admission import RefuseWhenFull
+    from deployments.ingress import app
 
     reached = []
 
@@ -197,15 +198,37 @@ def test_a_full_admission_refuses_generations_before_the_app():
         app.state.ingress = FakeIngress(full, keys=("k",))
         key = [(b"authorization", b"Bearer k")]
         for path, root in (("/v1/chat/completions", ""), ("/v1/completions", "/keyed")):
-            sent = asgi_call(guard, "POST", path, key, root)
+            sent = asgi_call(guard, "POST", path, key, root, app)
             assert sent[0]["status"] == 503 and (b"retry-after", b"1") in sent[0]["headers"]
             assert b"overloaded_error" in sent[1]["body"]
         assert reached == [] and len(refusals) == 2
         for method, path, headers in (("POST", "/v1/systemone", key), ("GET", "/v1/chat/completions", key),
                                       ("POST", "/v1/chat/completions", [(b"authorization", b"Bearer nope")])):
-            assert asgi_call(guard, method, path, headers)[0]["status"] == 299
+            assert asgi_call(guard, method, path, headers, app=app)[0]["status"] == 299
         app.state.ingress = FakeIngress(Admission(limit=1, waiting=0))
-        assert asgi_call(guard, "POST", "/v1/chat/completions")[0]["status"] == 299
+        assert asgi_call(guard, "POST", "/v1/chat/completions", app=app)[0]["status"] == 299
         assert len(reached) == 4 and len(refusals) == 2
     finally:
         del app.state.ingress
+
+
+def test_a_refusal_is_answered_after_the_refusal_delay(monkeypatch):
+    """A refused generation waits `refusal_delay_s` (asyncio.sleep with that delay) before its 503; no delay, no
+    wait. The sleep is recorded, not timed."""
+    import deployments.admission as admission
+
+    slept = []
+
+    async def sleep(s):
+        slept.append(s)
+    monkeypatch.setattr(admission.asyncio, "sleep", sleep)
+
+    async def refuse(delay):
+        adm = Admission(limit=1, waiting=0, refusal_delay_s=delay)
+        slot = await adm.enter()
+        with pytest.raises(APIError) as e:
+            await adm.enter()
+        slot.release()
+        return e.value.body["error"]["type"]
+    assert asyncio.run(refuse(0.2)) == "overloaded_error" and slept == [0.2]
+    assert asyncio.run(refuse(0.0)) == "overloaded_error" and slept == [0.2]

@@ -3,7 +3,6 @@ import asyncio
 import json
 import socket
 import threading
-import time
 
 import pytest
 import uvicorn
@@ -12,6 +11,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from bench.sse import Connection, HTTPStatusError
+from tests.waiting import wait_until
 
 
 async def stream(request):
@@ -42,9 +42,7 @@ def server_url():
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: server.started, 30, "the test server did not start")
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(timeout=30)

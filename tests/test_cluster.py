@@ -15,6 +15,7 @@ from cluster.local_cluster import ROOT, LocalCluster, free_port
 from core.chat import save_chat_model
 from tests.conftest import tiny_model
 from tests.decision_fixtures import build_checkpoint
+from tests.waiting import until, wait_until
 
 pytestmark = pytest.mark.serve
 
@@ -64,7 +65,7 @@ def cluster(tmp_path_factory, tokenizer):
         t0 = time.monotonic()
         c.deploy(str(config))
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: healthy(url) and replicas_ready(c), 600, "the application did not start")
+        cluster_wait(lambda: healthy(url) and replicas_ready(c), 600, "the application did not start")
         deadlines = Deadlines(max(c.join_s), time.monotonic() - t0)
         print(f"\nsetup: workers joined in {', '.join(f'{t:.1f}' for t in c.join_s)} s, the application served "
               f"after {deadlines.app_start_s:.1f} s")
@@ -93,17 +94,13 @@ def replicas_ready(c, n=2, on=None):
         return False
 
 
+def cluster_wait(cond, timeout, what):
+    """wait_until, polling once a second: the cluster's state is read through Ray's and Serve's APIs."""
+    return wait_until(cond, timeout, what, interval=1)
+
+
 def node_ids(c):
     return {n["raylet"]["nodeId"] for n in c.ray_nodes()}
-
-
-def wait_until(cond, timeout, message):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(1)
-    raise AssertionError(message() if callable(message) else message)
 
 
 DECISION = {"state": "the cat is red", "questions": {
@@ -245,11 +242,12 @@ def test_node_loss_under_load(cluster):
         # the autoscaler's part: a replacement node joins; Serve places the lost replicas on it
         await asyncio.to_thread(c.add_worker, timeout=deadlines.node())      # returns once Ray lists the node
         new = await asyncio.to_thread(lambda: node_ids(c) - before)
-        await asyncio.to_thread(wait_until, lambda: replicas_ready(c, on=new), deadlines.replicas(),
+        await asyncio.to_thread(cluster_wait, lambda: replicas_ready(c, on=new), deadlines.replicas(),
                                 "the service did not recover")
         recovered_at = time.monotonic()
         outcomes = await while_progressing(streams, progress, deadlines.replicas())
-        await asyncio.sleep(3)
+        answered = len(results)         # decisions go on being answered after the streams have ended
+        await until(lambda: len(results) >= answered + 8, deadlines.replicas(), "decisions stopped after the recovery")
         stop.set()
         await asyncio.wait_for(load, 180)
         continued = (await asyncio.to_thread(httpx.get, f"{url}/debug/stats", timeout=30)).json()
@@ -323,7 +321,7 @@ def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_fact
     auto.write_text(yaml.safe_dump(cfg))
     t0 = time.monotonic()
     c.deploy(str(auto))
-    wait_until(lambda: serving(c, 1) and healthy(url), deadlines.replicas(), "did not settle at one replica each")
+    cluster_wait(lambda: serving(c, 1) and healthy(url), deadlines.replicas(), "did not settle at one replica each")
     settled = time.monotonic() - t0
 
     async def scenario():
@@ -336,10 +334,10 @@ def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_fact
         # fall under the target and stopped the replica it was starting, again and again)
         loads = [asyncio.create_task(decision_load(url, heavy, decisions, 6)),
                  asyncio.create_task(chat_load(url, heavy, streams, 6, 300, 200, stream=False))]
-        await asyncio.to_thread(wait_until, lambda: targets(c) == (2, 2), deadlines.replicas(),
+        await asyncio.to_thread(cluster_wait, lambda: targets(c) == (2, 2), deadlines.replicas(),
                                 "no scale-up under load")
         decided_up = time.monotonic() - t0
-        await asyncio.to_thread(wait_until, lambda: serving(c, 2), deadlines.replicas(),
+        await asyncio.to_thread(cluster_wait, lambda: serving(c, 2), deadlines.replicas(),
                                 lambda: f"the new replicas did not start: {replica_states(c)}")
         up = time.monotonic() - t0
         # below both targets: one client of each kind keeps sending while a replica of each model goes away
@@ -348,13 +346,15 @@ def test_autoscaling_up_and_down_without_a_failed_request(cluster, tmp_path_fact
         heavy.set()
         await asyncio.wait_for(asyncio.gather(*loads[:2]), 240)
         calm = time.monotonic()
-        await asyncio.to_thread(wait_until, lambda: targets(c) == (1, 1), deadlines.replicas(),
+        await asyncio.to_thread(cluster_wait, lambda: targets(c) == (1, 1), deadlines.replicas(),
                                 "no scale-down at light load")
         decided_down = time.monotonic() - calm
-        await asyncio.to_thread(wait_until, lambda: serving(c, 1), deadlines.replicas(),
+        await asyncio.to_thread(cluster_wait, lambda: serving(c, 1), deadlines.replicas(),
                                 lambda: f"the removed replicas did not stop: {replica_states(c)}")
         down = time.monotonic() - calm
-        await asyncio.sleep(3)              # requests go on after the removed replicas are gone
+        answered = len(decisions), len(streams)     # requests go on after the removed replicas are gone
+        await until(lambda: len(decisions) > answered[0] and len(streams) > answered[1], deadlines.replicas(),
+                    "requests stopped after the scale-down")
         light.set()
         await asyncio.wait_for(asyncio.gather(*loads[2:]), 240)
         return (decided_up, up, decided_down, down), decisions, streams

@@ -3,6 +3,8 @@ from pathlib import Path
 
 import yaml
 
+from cluster.cli import HAPROXY, LAUNCHER, THROUGHPUT
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -32,9 +34,9 @@ def test_rayservice_serves_serve_config():
                       cluster["headGroupSpec"]["template"]["spec"]["containers"][0]):
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} <= set(env)
-        assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"   # every node: controller, proxy and replicas agree
-        assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"        # HAProxy answers on port 8000 of every node
-        assert env["RAY_SERVE_HAPROXY_BINARY_PATH"].endswith("/bin/startlux-haproxy")   # through the launcher
+        assert THROUGHPUT.items() <= env.items()   # every node: controller, proxy and replicas agree
+        assert HAPROXY.items() <= env.items()      # HAProxy answers on port 8000 of every node
+        assert env["RAY_SERVE_HAPROXY_BINARY_PATH"].endswith(f"/bin/{LAUNCHER}")   # through the launcher
 
 
 def test_cluster_launcher_config():
@@ -45,8 +47,16 @@ def test_cluster_launcher_config():
     assert any("-c constraints.txt" in c and "[gpu]" in c for c in cfg["worker_setup_commands"])
     assert any("serve deploy serve_config.yaml" in c for c in cfg["head_start_ray_commands"])
     for cmd in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]:
-        assert "RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1" in cmd
-        assert "RAY_SERVE_HAPROXY_BINARY_PATH=$HOME/startlux/.venv/bin/startlux-haproxy" in cmd
+        for key, value in (THROUGHPUT | HAPROXY).items():
+            assert f"{key}={value}" in cmd
+        assert f"RAY_SERVE_HAPROXY_BINARY_PATH=$HOME/startlux/.venv/bin/{LAUNCHER}" in cmd
+
+
+def test_the_image_sets_the_services_ray_settings():
+    docker = (ROOT / "cluster" / "Dockerfile").read_text()
+    for key, value in (THROUGHPUT | HAPROXY).items():
+        assert f"{key}={value}" in docker
+    assert f"RAY_SERVE_HAPROXY_BINARY_PATH=/home/ray/anaconda3/bin/{LAUNCHER}" in docker
 
 
 def test_free_ports_come_from_outside_the_ephemeral_range_and_skip_ports_in_use(monkeypatch):

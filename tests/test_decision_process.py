@@ -5,7 +5,6 @@ import signal
 
 import pytest
 
-from bench.soak import read_int
 from core.decision import DecisionConfig, DecisionValidationError, StartLuxDecision
 from core.decision.process import ProcessScorer, ScorerDied, Start, ThreadScorer
 from tests.conftest import unreadable_records
@@ -132,7 +131,7 @@ def test_memory_return_gives_freed_heap_pages_back():
     keeps the pages; MemoryReturn's trim hands them back (and not more often than its interval)."""
     import ctypes
 
-    from core.child import MemoryReturn
+    from core.decision.memory import MemoryReturn, resident_kb
 
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype = ctypes.c_void_p
@@ -148,9 +147,9 @@ def test_memory_return_gives_freed_heap_pages_back():
     for taken, given in ((held["in_use"], freed["in_use"]), (freed["free"], held["free"])):
         assert 3999 * 64 * 1024 <= taken - given < 3999 * 64 * 1024 + 2 ** 20, (held, freed)
     memory.last -= 3600
-    before = read_int("/proc/self/status", "VmRSS:")
+    before = resident_kb()
     assert memory.maybe() and not memory.maybe()                # once, then not until the interval has passed
-    after = read_int("/proc/self/status", "VmRSS:")
+    after = resident_kb()
     report = memory.report()                                    # the heap as the trim left it, in MB
     assert report["returns"] == 1 and abs(report["in_use"] - freed["in_use"] / 2 ** 20) < 1, (report, freed)
     libc.free(blocks[-1])

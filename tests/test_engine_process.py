@@ -5,7 +5,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import msgspec
@@ -17,6 +16,7 @@ from core.chat.engine_process import ProcessEngine, start_engine
 from core.chat.protocol import (EngineConfig, EngineDied, GenerateRequest, SamplingParams as Params, Start, StreamError,
                                 TokenEvent, decode_message)
 from tests.conftest import tiny_model, unreadable_records
+from tests.waiting import until, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -122,7 +122,7 @@ def test_refusals_are_raised_from_generate(engine, checkpoint):
         await hold.__anext__()                                  # running: holds the only row
         queued = small.generate([1, 2], SamplingParams(max_tokens=2))
         task = asyncio.ensure_future(queued.__anext__())        # waits for the row
-        await asyncio.sleep(0.01)                               # its "add" reaches the child first
+        await until(lambda: len(small._queues) == 2, 30, "the second request was not sent")   # its Add goes first
         try:
             await first([1, 2], SamplingParams(max_tokens=2), small)
         finally:
@@ -141,14 +141,10 @@ def test_leaving_a_stream_frees_its_rows(engine):
     async def main():
         agen = engine.generate([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
         await agen.__anext__()
-        deadline = time.monotonic() + 10
-        while not engine.stats().running and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)                           # the child reports its stats while it works
-        busy = engine.stats()
+        busy = await until(lambda: (s := engine.stats()).running and s, 10,   # the child reports while it works
+                           "the child never reported the stream running")
         await agen.aclose()
-        deadline = time.monotonic() + 10
-        while engine.stats().rows_used and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await until(lambda: not engine.stats().rows_used, 10, "the stream's row was not freed", 0.05)
         return busy, engine.stats()
 
     busy, idle = run(main())
@@ -209,10 +205,7 @@ def test_child_exits_when_its_parent_dies(checkpoint, tmp_path):
         child = int(parent.stdout.readline())
         parent.kill()                                           # by its pid: SIGKILL, no cleanup code runs
         parent.wait(timeout=30)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and alive(child):
-            time.sleep(0.1)
-        assert not alive(child)
+        wait_until(lambda: not alive(child), 20, "the engine process outlived its killed parent", 0.1)
     finally:
         if parent.poll() is None:
             parent.kill()

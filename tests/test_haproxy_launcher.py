@@ -1,10 +1,10 @@
-"""deployments/haproxy.py, the launcher Ray runs as HAProxy: listeners rewritten, earlier runs' HAProxies ended."""
+"""cluster/haproxy.py, the launcher Ray runs as HAProxy: listeners rewritten, earlier runs' HAProxies ended."""
 import os
 import subprocess
-import time
 
-from deployments.haproxy import _alive, _cmdline, end, real_binary, rewrite_listeners, stale_haproxies
+from cluster.haproxy import _alive, _cmdline, end, real_binary, rewrite_listeners, stale_haproxies
 from cluster.local_cluster import free_port
+from tests.waiting import wait_until
 
 CONFIG = """global
     stats timeout 30s
@@ -60,9 +60,7 @@ def test_an_orphaned_haproxy_of_an_earlier_run_is_found_and_ended(tmp_path):
                          capture_output=True, text=True, check=True)
     orphan, unrelated = map(int, out.stdout.split())
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not all(b"-f" in _cmdline(p) for p in (orphan, unrelated)):
-            time.sleep(0.05)
+        wait_until(lambda: all(b"-f" in _cmdline(p) for p in (orphan, unrelated)), 10, "the HAProxies did not start")
         assert stale_haproxies(binary, str(new)) == [orphan]      # beside ours: yes; elsewhere: not ours to end
         end([orphan])
         assert not _alive(orphan) and _alive(unrelated)

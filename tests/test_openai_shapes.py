@@ -1,10 +1,14 @@
 """OpenAI response shaping: calculator calls reach the client as `parts` and go back into the prompt."""
 from core.chat import ChatPrompter
 import pytest
+from pydantic import TypeAdapter
 
-from core.chat.protocol import Delta, SamplingDefaults, ShownLogprobs, ShownToken, TokenEvent
-from deployments.chat import deltas
-from deployments.openai_api import ChatCompletionRequest, Completion, TextCompletion, TextCompletionRequest, unsupported
+from core.chat.protocol import ChatModelInfo, Delta, SamplingDefaults, ShownLogprobs, ShownToken, TokenEvent
+from deployments.deltas import deltas
+from deployments.completion import Completion, TextCompletion
+from deployments.openai_requests import ChatCompletionRequest, TextCompletionRequest, unsupported
+
+INFO = ChatModelInfo("m", 0, sequence_len=64, max_n=4, vocab_size=100, sampling_defaults=SamplingDefaults())
 
 
 def ev(text, segment="text", token=1, finish=None, closes=False, forced=False, completion=1, index=0, lp=None,
@@ -131,9 +135,9 @@ def test_echo_with_logprobs_scores_the_prompt_first():
         assert choice["logprobs"]["token_logprobs"] == [None, -2.0, -1.0, -0.5]
         assert choice["logprobs"]["text_offset"] == [0, 3, 7, 11]
     scored = TextCompletionRequest.model_validate({"prompt": [1, 2], "echo": True, "logprobs": 1, "max_tokens": 0})
-    assert scored.to_params(SamplingDefaults()).prompt_logprobs == 1 and scored.to_params(SamplingDefaults()).max_tokens == 0
+    assert scored.to_params(INFO).prompt_logprobs == 1 and scored.to_params(INFO).max_tokens == 0
     assert TextCompletionRequest.model_validate({"prompt": "x", "logprobs": 2}).to_params(
-        SamplingDefaults()).prompt_logprobs is None                              # no echo: the prompt is not scored
+        INFO).prompt_logprobs is None                              # no echo: the prompt is not scored
 
 
 def engine_events(tokenizer):
@@ -183,3 +187,46 @@ def test_merged_deltas_give_what_one_record_per_event_gives(tokenizer, kind):
     if kind == "text":
         offsets = together["choices"][0]["logprobs"]["text_offset"]
         assert offsets == [3, 5, 5, 10, 10, 10, 10]  # after "Q: ", per token; a calculator call adds none
+
+
+def conforms(shape, answer) -> None:
+    """`answer` is exactly `shape` as published (no key it leaves out, every key it requires, the types)."""
+    TypeAdapter(shape).validate_python(answer, strict=True)
+
+
+def test_every_answer_has_its_published_shape():
+    """Chunks and whole answers of chat (text, calculator parts, logprobs, tool calls), text completions (echo,
+    legacy logprobs) and the Responses API validate against the TypedDicts the published schema is made of; a
+    key a handler adds that the schema lacks fails here."""
+    from core.chat.grammars import tool_plan
+    from deployments import openai_shapes as S
+    from deployments.responses_api import ResponsesRequest
+    from deployments.responses_stream import ResponseBuilder
+
+    calc = [ev("It is ", lp=-0.5), ev("6*", "python"), ev("7", "python"), ev("", "python", closes=True),
+            ev("42", "python_output", forced=True), ev("", "python_output", closes=True), ev(" so 42.", lp=-0.1),
+            ev("", token=None, finish="stop", completion=12)]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    call = [ev('[{"name": "f", "arguments": {"a": '), ev('1}}]'), ev("", token=None, finish="stop")]
+    for c, events in ((Completion("m", 1, logprobs=True), calc),
+                      (Completion("m", 1, tools=tool_plan(tools, "required", None)), call)):
+        chunks = c.first_chunks() + [ch for e in events for ch in c.feed(e)] + c.last_chunks(True)
+        assert len(chunks) > 3 and "usage" in chunks[-1]
+        for ch in chunks:
+            conforms(S.ChatCompletionChunk, ch)
+        conforms(S.ChatCompletionResponse, c.response())
+    assert c.response()["choices"][0]["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+
+    text = TextCompletion("m", 1, logprobs=True, echo=["Q: "])
+    chunks = text.first_chunks() + [ch for e in calc for ch in text.feed(e)] + text.last_chunks(True)
+    for ch in chunks:
+        conforms(S.TextCompletionChunk, ch)
+    conforms(S.TextCompletionResponse, text.response())
+
+    req = ResponsesRequest.model_validate({"input": "hi", "tools": [{"type": "function", "name": "f"}],
+                                           "tool_choice": "required"})
+    builder = ResponseBuilder("m", req, None, req.to_chat().to_params(INFO))
+    for e in [ev("Hello"), ev("", token=None, finish="length")]:
+        builder.feed(e)
+    conforms(S.ResponseObject, builder.response())
+    assert builder.response()["status"] == "incomplete" and builder.response()["usage"]["input_tokens"] == 10

@@ -23,6 +23,7 @@ from cluster.local_cluster import free_port
 from tests.readme_service import (CI_SOAK, ReadmeService, check_answers, check_listeners,
                                   check_torch_only_in_children, ignores_sigint, stop_ray, stop_serve_shutdown,
                                   stop_sigterm, stop_sigterm_then_sigkill)
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "cluster" / "grafana" / "startlux-serve.json"
@@ -219,10 +220,12 @@ def test_prometheus_scrapes_the_service_and_every_panel_has_series(live, backgro
         soak(svc.url, svc.proc.pid, minutes=0.25, sample_s=15, rate=3.0)
     # Ray's metrics keep their counts, so the soak's earlier traffic is there to scrape; a rate needs two scrapes
     wanted = {runnable(t["expr"]) for p in panels() if p["title"] not in EVENT_ONLY for t in p["targets"]}
-    deadline, empty = time.monotonic() + 120, wanted
-    while empty and time.monotonic() < deadline:
-        empty = {expr for expr in empty if not prom.query(expr)}
-        time.sleep(1)
+    empty = set(wanted)
+
+    def every_panel_has_series() -> bool:
+        empty.difference_update({expr for expr in empty if prom.query(expr)})
+        return not empty
+    wait_until(every_panel_has_series, 120, interval=1, fail=False)
     targets = prom.targets()
     assert {t["labels"]["job"] for t in targets if t["health"] == "up"} == {"ray", "haproxy"}, targets
     assert not empty, f"panels' queries without series: {sorted(empty)}"

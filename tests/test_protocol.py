@@ -17,7 +17,7 @@ import pytest
 
 from core.chat import protocol as P
 from core.chat.outputs import OutputProcessor, RequestView
-from deployments.openai_api import ChatCompletionRequest, TextCompletionRequest
+from deployments.openai_requests import ChatCompletionRequest, TextCompletionRequest
 
 EVENT = P.TokenEvent("r1", 0, 17, "hi", "text", False, False, None, 12, 3, 4, -0.5, [(17, -0.5), (3, -1.5)],
                      P.ShownLogprobs(P.ShownToken("hi", (104, 105), -0.5), (P.ShownToken("hi", (104, 105), -0.5),)))
@@ -92,7 +92,7 @@ def test_sampling_limits_are_enforced_by_the_record_and_name_their_field(field, 
 
 def test_the_http_schema_quotes_the_protocols_limits():
     props = ChatCompletionRequest.model_json_schema()["properties"]
-    bound = lambda name, key: next(o[key] for o in props[name].get("anyOf", [props[name]]) if key in o)  # noqa: E731
+    bound = lambda name, key: next(o[key] for o in [props[name], *props[name].get("anyOf", [])] if key in o)  # noqa: E731
     assert bound("temperature", "maximum") == P.MAX_TEMPERATURE
     assert bound("repetition_penalty", "minimum") == P.MIN_REPETITION_PENALTY
     assert bound("repetition_penalty", "maximum") == P.MAX_REPETITION_PENALTY
@@ -102,12 +102,13 @@ def test_the_http_schema_quotes_the_protocols_limits():
 
 def test_to_params_fills_the_checkpoints_defaults_and_keeps_what_is_sent():
     defaults = P.SamplingDefaults(temperature=0.3, top_k=7, top_p=0.8, max_tokens=40)
+    info = P.ChatModelInfo("m", 0, sequence_len=64, max_n=4, vocab_size=100, sampling_defaults=defaults)
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "top_p": 0.5,
                                                 "logprobs": True, "top_logprobs": 2, "stop": "z", "seed": 4})
-    assert req.to_params(defaults) == P.SamplingParams(max_tokens=40, temperature=0.3, top_k=7, top_p=0.5, seed=4,
+    assert req.to_params(info) == P.SamplingParams(max_tokens=40, temperature=0.3, top_k=7, top_p=0.5, seed=4,
                                                        stop=("z",), logprobs=2)
     text = TextCompletionRequest.model_validate({"prompt": [1, 2], "temperature": 0, "logit_bias": {"5": 2}})
-    assert text.to_params(defaults) == P.SamplingParams(max_tokens=16, temperature=0.0, top_k=7, top_p=0.8,
+    assert text.to_params(info) == P.SamplingParams(max_tokens=16, temperature=0.0, top_k=7, top_p=0.8,
                                                         logit_bias={5: 2.0})
 
 

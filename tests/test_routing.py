@@ -11,6 +11,7 @@ from ray.serve._private.request_router.common import PendingRequest
 
 from core.chat.protocol import GenerateRequest, SamplingParams
 from deployments.routing import ConversationAffinityRouter
+from tests.waiting import until
 
 
 def chat_request(messages):
@@ -114,11 +115,18 @@ def test_a_request_that_finds_every_replica_full_backs_off():
         router.on_request_routed(PendingRequest(args=[chat_request(history)], kwargs={},
                                                 metadata=RequestMetadata(request_id="x", internal_request_id="x")),
                                  a.replica_id, None)           # a holds the conversation
+        backoffs = []                  # Serve's back-offs between rounds (RequestRouter._backoff), as it takes them
+        serve_backoff = router._backoff
+
+        async def backoff(attempt):
+            backoffs.append(attempt)
+            await serve_backoff(attempt)
+        router._backoff = backoff
         task = asyncio.ensure_future(route(router, turn(history, 0)))
-        await asyncio.sleep(1.0)
+        await until(lambda: len(backoffs) >= 4, 30, "Serve never backed off between rounds")
         assert not task.done()
-        # back-off 25 ms doubling to 0.5 s: about 8 rounds of 2 probes in a second; a busy loop makes thousands
-        assert a.probes + b.probes < 100, a.probes + b.probes
+        # each round probes at most the two replicas, and every round after the holder's own ones backs off
+        assert a.probes + b.probes <= 2 * (len(backoffs) + 5), (a.probes + b.probes, len(backoffs))
         b.queue_len = 1
         assert await asyncio.wait_for(task, 5) == "b"
     asyncio.run(main())

@@ -12,7 +12,7 @@ import pytest
 
 from core.chat import ChatPrompter, LLMEngine, SamplingParams
 from core.chat.weights import load_chat_model
-from core.chat.config import ToolFormat
+from core.chat.protocol import ToolFormat
 from core.chat.grammars import (GrammarError, ToolCallReader, json_grammar, response_format_grammar,
                                 structured_outputs_grammar, tool_plan)
 from core.chat.protocol import SamplingError

@@ -3,7 +3,6 @@ service with the demo models ("/") and a keyed application whose chat model neve
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import httpx
@@ -12,8 +11,9 @@ import torch
 
 from core.chat import save_chat_model
 from deployments.errors import error
-from deployments.openai_api import sse
+from deployments.completion import sse
 from tests.conftest import delete_apps, tiny_model
+from tests.waiting import wait_until
 
 CHROMIUM = os.environ.get("STARTLUX_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [pytest.mark.serve, pytest.mark.browser,
@@ -212,16 +212,11 @@ def test_stop_aborts_and_frees_the_engine(service, open_page):
     setting(page, "temperature", "0")          # greedy: the endless model's end-of-turn token is never the top one
     send(page, "hello")
     expect(reply(page)).not_to_be_empty(timeout=60_000)
-    deadline = time.monotonic() + 60
-    while len(reply(page).text_content()) < 40 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: len(reply(page).text_content()) >= 40, 60, "the reply did not grow to 40 characters")
     assert running(service) == 1
     page.click("#stop")
     expect(page.locator(".msg.assistant .note")).to_have_text("stopped")
-    deadline = time.monotonic() + 20
-    while running(service) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert running(service) == 0, "the engine still runs the stopped reply"
+    wait_until(lambda: running(service) == 0, 20, "the engine still runs the stopped reply", 0.2)
     expect(page.locator("#send")).to_be_enabled()
 
 

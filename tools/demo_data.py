@@ -191,7 +191,7 @@ def json_call_conversation(rng: random.Random) -> tuple[list[dict], list[dict]]:
     """(tools, messages): a plain capital question answered by a call of a function the request names (what
     LangChain's with_structured_output sends with method="function_calling"), its arguments the JSON reply's
     object; the call's opening up to the first value is forced (the named function's grammar writes it)."""
-    from core.chat.config import ToolFormat
+    from core.chat.protocol import ToolFormat
 
     country = rng.choice(list(CAPITALS))
     keys = rng.choice(JSON_KEYS)
@@ -259,7 +259,7 @@ def tool_eval_questions(seed: int, n: int) -> list[tuple[list[dict], list[dict],
 
 def chat_corpus_text(n: int = 4000, seed: int = 0) -> list[str]:
     """Plain text of generated conversations, for training the tokenizer."""
-    from core.chat.config import ToolFormat
+    from core.chat.protocol import ToolFormat
     from core.chat.grammars import tools_text
     from core.chat.prompter import calls_text
 

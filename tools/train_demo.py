@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from core.chat import ChatDefaults, ChatModelConfig, ChatPrompter, build_model, load_chat_model, save_chat_model
-from core.chat.config import ToolFormat
+from core.chat.protocol import ToolFormat
 from core.chat.grammars import tools_text
 from core.chat.model import init_weights
 from core.chat.tokenizer import train_tokenizer

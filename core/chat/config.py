@@ -12,6 +12,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from .protocol import SamplingDefaults, ToolFormat
+
 ARCHITECTURES = ("nanochat", "gpt2")
 
 
@@ -60,16 +62,7 @@ class ChatModelConfig:
         return dataclasses.asdict(self)
 
 
-@dataclass(frozen=True)
-class ToolFormat:
-    """A checkpoint's tool-call format: a call is `start`, then `{"name": ..., "arguments": {...}}` in
-    grammars.JSON_LAYOUT, then `end` (Hermes-style models: `<tool_call>` and `</tool_call>`)."""
-
-    start: str
-    end: str
-
-    def call_text(self, name: str, arguments) -> str:
-        return f"{self.start}{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}{self.end}"
+_SAMPLING = SamplingDefaults()     # chat.json's sampling defaults are SamplingDefaults' own
 
 
 @dataclass
@@ -77,11 +70,15 @@ class ChatDefaults:
     """chat.json: few-shot priming turns, default sampling values and the model's tool-call format."""
 
     fewshot: list[dict] = field(default_factory=list)   # [{"role": "user"|"assistant", "content": str}, ...]
-    temperature: float = 0.6
-    top_k: int | None = 50
-    top_p: float = 1.0
-    max_tokens: int = 256
+    temperature: float = _SAMPLING.temperature
+    top_k: int | None = _SAMPLING.top_k
+    top_p: float = _SAMPLING.top_p
+    max_tokens: int = _SAMPLING.max_tokens
     tool_call: dict | None = None      # {"start": text, "end": text}: ToolFormat
+
+    @property
+    def sampling(self) -> SamplingDefaults:
+        return SamplingDefaults(self.temperature, self.top_k, self.top_p, self.max_tokens)
 
     @property
     def tool_format(self) -> "ToolFormat | None":

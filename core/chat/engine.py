@@ -27,7 +27,7 @@ import logging
 import msgspec
 import torch
 
-from .constrained import Grammars
+from .constrained import TokenMasks
 from .cuda_graphs import DecodeGraphs, GraphCaptureError
 from .kv_cache import CacheBatch, KVCache
 from .logits import LogitProcessor, LogprobResult, logprobs
@@ -88,7 +88,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer, cfg.sequence_len)
         self.scheduler = Scheduler(config)
         self.logits = LogitProcessor(config.max_rows, cfg.vocab_size, self.device)
-        self.grammars = Grammars(tokenizer, cfg.vocab_size, self.outputs.stop_tokens, config.max_rows, self.device)
+        self.grammars = TokenMasks(tokenizer, cfg.vocab_size, self.outputs.stop_tokens, config.max_rows, self.device)
         self._observed: tuple[list[int], list[int]] = ([], [])   # (row, token) appended to processed rows
         self.prefix_ids: list[int] = []
         if prefix_ids:

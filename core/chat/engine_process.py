@@ -11,7 +11,7 @@ socket pair (core/child.py):
     child -> parent   Ready | Failed once, then events | Rejected | Stats
 
 (the records of protocol.py; each side matches on their types). The events of a step travel as msgpack
-(protocol.encode_events: 11-12 us against pickle's 41-63 per 32 events, bench/README.md), everything else
+(protocol.encode_events, several times faster than pickle: bench/README.md), everything else
 pickled. One events message carries every event of a step (the first tokens of new prompts go in an earlier
 one, before the step's decode pass). The child validates requests (a refusal comes back as Rejected and is
 raised from the caller's `generate`), sends its stats while it has work, and exits on Stop or when the socket

@@ -35,8 +35,7 @@ from dataclasses import dataclass
 
 import llguidance
 
-from .config import ToolFormat
-from .protocol import SamplingError
+from .protocol import SamplingError, ToolFormat
 
 # llguidance's JSON compile options: the fixed layout described above
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -3,7 +3,7 @@
 Layout per layer: (rows, kv_heads, capacity, head_dim). The model writes a batch's keys and values
 at each row's own positions and attends over the prefix of its rows; the engine, not the model,
 owns the per-row lengths. Capacity starts small and grows (by allocating and copying, so contents
-survive: seed 000 used `resize_`, which scrambles them) up to the model's sequence length; the
+survive; `resize_` would scramble them) up to the model's sequence length; the
 number of rows is fixed, which is what bounds memory.
 """
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Linear layers on the CPU through oneDNN with their weights packed once (inference only).
 
 torch's `F.linear` on the CPU calls MKL's matrix product on the weight as it is stored, which at the batch
-sizes of a decode step (a row per running sequence) runs at about half the rate, at 4-8 rows, that the same
-product reaches with the weight reordered ahead of time into oneDNN's blocked layout (a 12 x 768 GPT-2's
-decode step ran 1.4-1.8x faster packed at 4-8 rows, 1.04-1.2x at 16-32; bench/README.md, "Where the chat
-engine's step goes"). torch ships that path: `mkldnn._reorder_linear_weight` packs a weight once (for a
+sizes of a decode step (a row per running sequence) runs slower than the same product with the weight
+reordered ahead of time into oneDNN's blocked layout (bench/README.md, "Where the chat engine's step goes",
+has the figures). torch ships that path: `mkldnn._reorder_linear_weight` packs a weight once (for a
 batch-size hint; any batch size may then use it) and `mkldnn._linear_pointwise` multiplies by the packed
 copy. It is what inductor's freezing pass emits for a CPU linear layer with a dynamic batch, and what
 vLLM's CPU backend does through its own oneDNN handles. Here it is applied without compiling: a large
@@ -13,11 +12,10 @@ checkpoints, tied weights and `state_dict` are unchanged) and keeps the packed c
 layer's weight memory twice).
 
 A product that needs gradients, another dtype or another device goes through `F.linear` as before, and so
-do the two cases where the packed product measured slower on this project's CPU host: a layer whose weight
-has fewer than MIN_WEIGHT elements is not packed (oneDNN's cost per call outweighs the gain: a 4 x 256
-model ran 0.7-1.06x packed), and a product of fewer than MIN_ROWS or more than MAX_ROWS rows uses the
-original weight (at 1-2 rows MKL reads the weight at the memory's full rate, packed ran 0.76-0.88x there;
-a prefill's hundreds of rows ran 0.88-1.10x packed, `python -m bench.engine_profile --compare-linear`).
+do the two cases where the packed product is slower: a layer whose weight has fewer than MIN_WEIGHT elements
+is not packed (oneDNN's cost per call outweighs the gain), and a product of fewer than MIN_ROWS or more than
+MAX_ROWS rows uses the original weight (at 1-2 rows MKL reads the weight at the memory's full rate; a
+prefill's hundreds of rows gain nothing). `python -m bench.engine_profile --compare-linear` measures both.
 """
 from __future__ import annotations
 

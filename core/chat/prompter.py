@@ -20,15 +20,14 @@ messages is joined and prepended to the first user turn that is kept. It survive
 
 Truncation: the oldest whole turns are dropped until the prompt fits `sequence_len - max_new_tokens`
 (a kept history never starts with an assistant turn). When the newest user turn (with the system
-text) alone does not fit, `PromptTooLong` is raised: seed 001 silently sent a prompt without the
-question in it.
+text) alone does not fit, `PromptTooLong` is raised rather than a prompt sent without the question in it.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
-from .config import ToolFormat
+from .protocol import ToolFormat
 from .tokenizer import ChatTokenizer
 
 ROLES = ("system", "user", "assistant", "tool")

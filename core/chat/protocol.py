@@ -12,13 +12,14 @@
   see travels as a `StreamError` in the same lists.
 - The engine process's messages (`Start` ... `Stats`) are small records the two sides match on by type.
 
-Records are frozen msgspec Structs (as vLLM's engine core uses): 32 events pickle in about the time 32 plain
-dicts do, 2-3x faster than dataclasses (bench/README.md, "The chat protocol on the wire"); both the engine
-socket and Ray's hops pickle them. Importing this module costs nothing: the Ingress imports it without torch.
+Records are frozen msgspec Structs (as vLLM's engine core uses): they pickle about as fast as plain dicts, and
+faster than dataclasses (bench/README.md, "The chat protocol on the wire"); both the engine socket and Ray's
+hops pickle them. Importing this module costs nothing: the Ingress imports it without torch.
 The settings records (EngineConfig) are dataclasses: pydantic validates them from the config.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -144,6 +145,32 @@ class SamplingDefaults(msgspec.Struct, frozen=True):
     top_k: int | None = 50
     top_p: float = 1.0
     max_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """A checkpoint's tool-call format (chat.json `tool_call`): a call is `start`, then `{"name": ...,
+    "arguments": {...}}` in grammars.JSON_LAYOUT, then `end` (Hermes-style models: `<tool_call>` and
+    `</tool_call>`)."""
+
+    start: str
+    end: str
+
+    def call_text(self, name: str, arguments) -> str:
+        return f"{self.start}{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}{self.end}"
+
+
+class ChatModelInfo(msgspec.Struct, frozen=True):
+    """What the Ingress knows of the chat model it serves (ChatModel.info, asked once): its name, its limits and
+    what it samples with when a request leaves a value out."""
+
+    id: str
+    created: int                    # the checkpoint's time (its config file's modification time)
+    sequence_len: int               # prompt + completion tokens
+    max_n: int                      # samples one request may draw: the engine's rows
+    vocab_size: int
+    sampling_defaults: SamplingDefaults
+    tool_format: ToolFormat | None = None
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):

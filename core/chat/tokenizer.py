@@ -139,7 +139,7 @@ class StreamDecoder:
 
     Bytes of an incomplete character are held until the character completes; an invalid byte
     sequence becomes U+FFFD instead of silently swallowing the rest of the stream. `flush()` returns
-    what is left at the end of the stream; an incomplete tail is dropped, as seed 001 does.
+    what is left at the end of the stream; an incomplete tail is dropped.
     """
 
     def __init__(self, tokenizer: ChatTokenizer):

@@ -1,8 +1,7 @@
 """Which implementation transformers picked for the linear-attention kernels of a model type.
 
-transformers 5.x no longer defines `is_fast_path_available` (seed 003 read it, so on CUDA it refused every
-checkpoint). Each kernel is now a module-level function wrapped by `use_kernel_func_from_hub_with_fallback`,
-which chose the fla / causal-conv1d implementation when the model module was imported, or kept the torch
+transformers 5.x does not define `is_fast_path_available`: each kernel is a module-level function wrapped by
+`use_kernel_func_from_hub_with_fallback`, which chose the fla / causal-conv1d implementation when the model module was imported, or kept the torch
 reference. We read that choice from the wrapper; when the wrapper's shape is unknown we fall back to
 checking that the kernel packages import.
 """

@@ -2,9 +2,8 @@
 
 A decision pass is thousands of small torch operations, each of which hands the GIL over and takes it back.
 On a thread of a serving replica, every wake-up of the replica's event loop (requests arriving, Serve's
-gRPC, metrics) takes the GIL in between: measured on the 2-core CPU, `decide_batch` over batches of two small
-requests ran at 34.5 requests/s beside an event loop that merely ticked every millisecond, against 108.8
-alone (bench/README.md), and in the service its batches then stayed small. `ProcessScorer` runs the scorer in
+gRPC, metrics) takes the GIL in between, which slows the passes severalfold and keeps the service's batches
+small (bench/README.md has the measurement). `ProcessScorer` runs the scorer in
 a child process of its own, as the chat engine runs (core/chat/engine_process.py), and talks to it over a
 private socket pair (core/child.py):
 
@@ -29,7 +28,8 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
-from ..child import Child, MemoryReturn, child_main
+from ..child import Child, child_main
+from .memory import MemoryReturn
 from .config import DecisionConfig
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class Start(msgspec.Struct, frozen=True):
     config: DecisionConfig
     device: str | None = None
     torch_threads: int | None = None
-    return_memory_s: float = 30.0   # free memory back to the system at most this often (child.MemoryReturn)
+    return_memory_s: float = 30.0   # free memory back to the system at most this often (memory.MemoryReturn)
 
 
 class Ready(msgspec.Struct, frozen=True):
@@ -61,7 +61,7 @@ class Done(msgspec.Struct, frozen=True):
     call: int
     results: list              # per request: (answers, usage) or its DecisionValidationError
     prefix_stats: dict
-    memory: dict = {}          # the memory returns so far and the heap the last left (child.MemoryReturn.report)
+    memory: dict = {}          # the memory returns so far and the heap the last left (memory.MemoryReturn.report)
 
 
 class Crashed(msgspec.Struct, frozen=True):

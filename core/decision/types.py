@@ -69,6 +69,22 @@ class DecisionResponse(BaseModel):
     usage: Usage
 
 
+class DecisionModelInfo(BaseModel):
+    """What the Ingress knows of the decision model it serves (DecisionModel.info, asked once)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    created: int                      # the checkpoint's time (its config file's modification time)
+    aliases: tuple[str, ...] = ()     # other names a request may give in `model`
+    max_length: int                   # tokens of one rendered question
+    torch_threads: int
+
+    def serves(self, name: str | None) -> bool:
+        """Whether a request naming `name` (None: no name) is for this model."""
+        return name is None or name == self.id or name in self.aliases
+
+
 class DecisionValidationError(ValueError):
     """A request with bad questions; `errors` maps every bad question key (or "state"/"questions") to why."""
 

@@ -1,4 +1,4 @@
-"""The web page (deployments/web/): static files from the package, served at / and /ui/<file>.
+"""The web page: the static files beside this module, served at / and /ui/<file>.
 
 Served under a policy that runs only the page's own script and style (no inline script, no eval) and talks
 only to this origin. Loading the page needs no key: every API call it makes sends one.
@@ -10,9 +10,9 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 
-from .errors import APIError, error
+from ..errors import APIError, error
 
-WEB = Path(__file__).resolve().parent / "web"
+WEB = Path(__file__).resolve().parent
 PAGE_FILES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
               "app.css": "text/css; charset=utf-8"}
 PAGE_HEADERS = {

@@ -20,12 +20,18 @@ BIN = Path(sys.executable).parent
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
 
+# The service's Ray settings, the one place they are written (docs/configuration.md#ray-serves-throughput-mode-
+# and-haproxy): the tests and the local cluster take THROUGHPUT, `startlux serve` all of ray_defaults(), and
+# tests/test_cluster_manifests.py holds the production manifests to the same values.
+THROUGHPUT = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}     # Serve's high-throughput request path, in every Ray process
+HAPROXY = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}             # HAProxy on the HTTP port
+LAUNCHER = "startlux-haproxy"                            # our launcher of it (RAY_SERVE_HAPROXY_BINARY_PATH)
+
+
 def ray_defaults() -> dict[str, str]:
-    """The Ray settings of a single-machine start (docs/configuration.md#ray-serves-throughput-mode-and-haproxy)."""
-    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",                       # Serve's high-throughput request path
-            "RAY_SERVE_ENABLE_HA_PROXY": "1",                            # HAProxy on the HTTP port
-            "RAY_SERVE_HAPROXY_BINARY_PATH": str(BIN / "startlux-haproxy"),   # our launcher of it (haproxy.py)
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}                    # Ray's local cluster on 127.0.0.1
+    """The Ray settings of a single-machine start."""
+    return {**THROUGHPUT, **HAPROXY, "RAY_SERVE_HAPROXY_BINARY_PATH": str(BIN / LAUNCHER),
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}   # Ray's local cluster on 127.0.0.1
 
 
 def default_config() -> Path:

@@ -1,10 +1,13 @@
 """The HTTP ingress: OpenAI-compatible chat, the /v1/systemone decision API, models, health, keys, limits.
 
-Routes requests to the chat deployment (through a streaming handle) and the decision deployment. The parts
-live beside it: errors.py (the one mapping of errors to statuses, and the handlers), admission.py (chat
-admission), resume.py (retries, and streams that continue on another replica), generation.py (SSE or one
-response), openapi.py (the published schema), web.py (the page). This process runs no model: it imports
-neither torch nor transformers (a test checks).
+Each route parses its body (bounded), lets the request model check itself against the model's info and the
+Ingress's limits, and hands it to the chat deployment (through a streaming handle) or the decision deployment.
+The parts live beside it: openai_requests.py and responses_api.py (the request models, their checks and
+SamplingParams), openai_shapes.py (every answer's shape), completion.py and responses_stream.py (a stream's
+chunks and answer), admission.py (chat admission, and the 503 before routing), resume.py (retries, and
+streams that continue on another replica), generation.py (SSE or one response), errors.py (the one mapping of
+errors to statuses), openapi.py (the published schema), web/ (the page). This process runs no model: it
+imports neither torch nor transformers (a test checks).
 """
 
 import asyncio

@@ -58,7 +58,10 @@ def openapi_schema(app: FastAPI) -> dict:
         if chunk is not None:
             data = {"type": "string", "description": "a JSON chunk, an error, or [DONE]"}
             if chunk is not dict:      # the Responses API's events are OpenAI's (ResponseStreamEvent)
-                data |= {"contentMediaType": "application/json", "contentSchema": _ref(chunk)}
+                data = {"description": data["description"], "anyOf": [
+                    {"const": "[DONE]"},
+                    {"type": "string", "contentMediaType": "application/json",
+                     "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}]}
             content["text/event-stream"] = {"schema": {   # one server-sent event
                 "type": "object", "required": ["data"],
                 "properties": {"event": {"type": "string"}, "data": data}}}

@@ -129,9 +129,8 @@ class LocalCluster:
     def add_worker(self, num_cpus: int = 2, attempts: int = 3, timeout: float = 120) -> Node:
         """A worker node, once it has joined. `ray start` gives up after about 30 s when the GCS is too busy to
         answer (a loaded 2-core host): a node that exits before joining is started again, as an autoscaler
-        launches another, up to `attempts` times. One at a time: two workers started together on this host
-        share the cluster's temporary directory, and one of them timed out waiting for its raylet (30 s and a
-        second attempt, against 2-4 s for each join one after the other, 2026-12-03)."""
+        launches another, up to `attempts` times. One at a time: two workers started together on one host share
+        the cluster's temporary directory, and one of them can time out waiting for its raylet."""
         before, t0 = self._node_ids(), time.monotonic()
         for attempt in range(1, attempts + 1):
             name = f"worker{sum(n.name.startswith('worker') for n in self.nodes) + 1}"

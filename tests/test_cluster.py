@@ -193,16 +193,17 @@ async def while_progressing(tasks: list, progress: dict, stall_s: float) -> list
     return [t.result() for t in tasks]
 
 
-def streaming_replicas(url, tries=30):
-    """The chat replicas that report running streams (stats calls reach each replica sooner or later)."""
+def streaming_replicas(url, timeout: float = 6):
+    """The chat replicas that report running streams within `timeout` seconds (stats calls reach each replica
+    sooner or later): both, as soon as both have."""
     busy = set()
-    for _ in range(tries):
+
+    def both() -> bool:
         s = httpx.get(f"{url}/debug/stats", timeout=30).json()["chat"]
         if s["running"]:
             busy.add(s["replica"])
-        if len(busy) == 2:
-            break
-        time.sleep(0.1)
+        return len(busy) == 2
+    wait_until(both, timeout, interval=0.1, fail=False)
     return busy
 
 
@@ -232,7 +233,7 @@ def test_node_loss_under_load(cluster):
         while len(busy) < 2 and len(streams) < 10:    # the router may still have put them all on one
             streams.append(asyncio.create_task(chat_stream(url, STREAM_TOKENS, len(streams), texts, pauses, progress)))
             await asyncio.sleep(0.3)
-            busy |= await asyncio.to_thread(streaming_replicas, url, 10)
+            busy |= await asyncio.to_thread(streaming_replicas, url, 2)
         assert len(busy) == 2, f"streams must run on both chat replicas, saw {busy}"
         for task in streams:
             task.add_done_callback(lambda _: ends.append(time.monotonic()))

@@ -569,22 +569,23 @@ def test_streams_continue_on_another_replica_when_theirs_is_killed(service, affi
     with ThreadPoolExecutor(len(bodies)) as pool:
         gaps, started = [], threading.Event()
         runs = [pool.submit(stream_text, affinity, b, gaps, started) for b in bodies]
-        victim, seen_started = None, None
-        for _ in range(400):                   # a replica that is streaming now
+        seen_started = None
+
+        def streaming_replica() -> str | None:
+            """A replica that is streaming now, by the stats of whichever replica answers."""
+            nonlocal seen_started
             s = httpx.get(f"{affinity}/debug/stats").json()["chat"]
             if seen_started is None and started.is_set():
                 seen_started = time.monotonic()
             if s["running"] >= 1:
-                victim = s["replica"]
-            elif seen_started and time.monotonic() - seen_started > 3 * STATS_PERIOD_S and not gaps:
+                return s["replica"]
+            if seen_started and time.monotonic() - seen_started > 3 * STATS_PERIOD_S and not gaps:
                 # Serve routes a stats call to the less loaded replica: an idle one while streams run means
                 # they all run on the other. Its count is the engine's last report (every STATS_PERIOD_S):
                 # trusted only once a stream that started on it would have been reported
-                victim = (replicas - {s["replica"]}).pop()
-            if victim:
-                break
-            time.sleep(0.05)
-        assert victim, "no replica was streaming"
+                return (replicas - {s["replica"]}).pop()
+            return None
+        victim = wait_until(streaming_replica, 60, "no replica was streaming")
         ray.kill(ray.get_actor(prefix + victim, namespace="serve"), no_restart=True)
         results = [r.result(timeout=300) for r in runs]
     for body, ref, got in zip(bodies, reference, results):

@@ -102,8 +102,8 @@ class LLMEngine:
         try:
             pack_linears(model)
         except Exception as e:      # noqa: BLE001 - any failure leaves torch's own path, which always works
-            logger.warning("the chat model's linear layers stay on torch's F.linear, up to 1.7x slower at decode "
-                           "batch sizes: packing them for oneDNN failed (%s: %s)", type(e).__name__, e)
+            logger.warning("the chat model's linear layers stay on torch's F.linear, slower at decode batch "
+                           "sizes: packing them for oneDNN failed (%s: %s)", type(e).__name__, e)
             return "torch-fallback"
         # (an engine built on a model another engine packed finds its layers packed already)
         return "onednn-packed" if any(isinstance(m, PackedLinear) for m in model.modules()) else "torch"

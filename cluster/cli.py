@@ -1,6 +1,7 @@
 """`startlux`: the service's command.
 
     startlux serve [CONFIG] [serve run's options]
+    startlux chat [--url URL] [--api-key KEY] [--system TEXT] [--max-tokens N] [--temperature T] [--once TEXT]
 
 starts the service as `serve run CONFIG` does (CONFIG: serve_config.cpu.yaml in the current directory, else
 the one beside this package's source), with the Ray settings the quick start needs as defaults. Each is set
@@ -8,12 +9,20 @@ only where the environment does not set it already, so any of them can be overri
 startlux serve`); docs/configuration.md says what each does. The process then becomes `serve run` (exec, the
 same pid): Ctrl-C, SIGTERM and a supervisor's signals reach Ray's own CLI as they would from a terminal.
 Production runs `serve run serve_config.yaml` (or `serve deploy`) with these variables in its manifests.
+
+`startlux chat` is a terminal chat with a running service: each line typed is a user turn, the reply streams
+as it is generated, and the conversation (with the calculator parts of each reply) goes back with the next
+turn; an empty line or end of input ends it. `--once TEXT` asks one question and exits (0, or 1 on an error).
+It speaks the service's public /v1/chat/completions, so it works against any replica or proxy of it.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
@@ -49,14 +58,103 @@ def serve(config: str | None, extra: list[str]) -> None:
     os.execv(argv[0], argv)
 
 
+class ChatError(RuntimeError):
+    """The service answered a turn with an error (its message), or could not be reached."""
+
+
+def chat_turn(url: str, messages: list[dict], options: dict, api_key: str | None, out) -> dict:
+    """One streamed chat completion of `messages`: its text written to `out` as it arrives; -> the assistant
+    turn to send back (with `parts`, the reply's calculator calls and results, when it has them)."""
+    body = json.dumps({"messages": messages, "stream": True, **options}).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    request = urllib.request.Request(f"{url.rstrip('/')}/v1/chat/completions", body, headers)
+    text, parts = [], []
+    try:
+        with urllib.request.urlopen(request, timeout=600) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise ChatError(chunk["error"]["message"])
+                for choice in chunk["choices"]:
+                    delta = choice["delta"]
+                    if delta.get("content"):
+                        text.append(delta["content"])
+                        if parts and parts[-1]["type"] == "text":
+                            parts[-1]["text"] += delta["content"]
+                        else:
+                            parts.append({"type": "text", "text": delta["content"]})
+                        out.write(delta["content"])
+                        out.flush()
+                    for part in delta.get("parts") or ():
+                        parts.append(part)
+                        out.write(f"[{part['type']}: {part['text']}]")
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.load(e)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = f"HTTP {e.code}"
+        raise ChatError(message) from None
+    except urllib.error.URLError as e:
+        raise ChatError(f"{url} does not answer ({e.reason}): is the service running?") from None
+    out.write("\n")
+    turn = {"role": "assistant", "content": "".join(text)}
+    if any(p["type"] != "text" for p in parts):
+        turn["parts"] = parts
+    return turn
+
+
+def chat(known: argparse.Namespace, stdin=sys.stdin, out=sys.stdout) -> int:
+    messages = [{"role": "system", "content": known.system}] if known.system else []
+    options = {k: v for k, v in (("max_tokens", known.max_tokens), ("temperature", known.temperature)) if v is not None}
+    key = known.api_key or os.environ.get("STARTLUX_API_KEY")
+    lines = [known.once] if known.once is not None else None
+    while True:
+        if lines is not None:
+            if not lines:
+                return 0
+            text = lines.pop()
+        else:
+            out.write("> ")
+            out.flush()
+            text = stdin.readline().rstrip("\n")
+            if not text:
+                return 0
+        messages.append({"role": "user", "content": text})
+        try:
+            messages.append(chat_turn(known.url, messages, options, key, out))
+        except ChatError as e:
+            out.write(f"error: {e}\n")
+            messages.pop()              # the turn was not answered: it is not part of the conversation
+            if lines is not None:
+                return 1
+
+
 def main(args: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="startlux", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="start the service (serve run CONFIG with the quick start's Ray settings)")
     s.add_argument("config", nargs="?", help="a Serve config file (default: serve_config.cpu.yaml)")
+    c = sub.add_parser("chat", help="a terminal chat with a running service")
+    c.add_argument("--url", default="http://127.0.0.1:8000")
+    c.add_argument("--api-key", help="sent as Authorization: Bearer (default: $STARTLUX_API_KEY)")
+    c.add_argument("--system", help="a system message first")
+    c.add_argument("--max-tokens", type=int)
+    c.add_argument("--temperature", type=float)
+    c.add_argument("--once", metavar="TEXT", help="ask this one question, print the reply and exit")
     known, extra = p.parse_known_args(args)
     if known.command == "serve":
         serve(known.config, extra)
+    elif extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    else:
+        try:
+            sys.exit(chat(known))
+        except KeyboardInterrupt:        # Ctrl-C: the reply stops (its connection closes, the engine frees it)
+            print()
+            sys.exit(130)
 
 
 if __name__ == "__main__":

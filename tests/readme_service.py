@@ -262,6 +262,11 @@ def check_answers(url: str) -> None:
     # the engine in its own process; the demo model's linear layers are all under packed.MIN_WEIGHT, where
     # torch's own product is the faster (a larger model's report "onednn-packed": tests/test_chat_engine.py)
     assert (chat["engine"], chat["linear"]) == ("ProcessEngine", "torch")
+    # `startlux chat`, as a user runs it against the service (two turns through HAProxy, greedy)
+    out = subprocess.run([str(Path(sys.executable).parent / "startlux"), "chat", "--url", url, "--temperature", "0"],
+                         input="What is the capital of France?\nAnd of Italy?\n\n", capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.count("> ") == 3 and "Paris" in out.stdout, out
 
 
 def check_listeners(svc: ReadmeService) -> None:

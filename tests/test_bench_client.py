@@ -1,17 +1,14 @@
 """bench/sse.py, the load generator's lean HTTP client, against a real uvicorn server."""
 import asyncio
 import json
-import socket
-import threading
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from bench.sse import Connection, HTTPStatusError
-from tests.waiting import wait_until
+from tests.local_server import local_server
 
 
 async def stream(request):
@@ -35,17 +32,8 @@ async def plain(request):
 
 @pytest.fixture(scope="module")
 def server_url():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = Starlette(routes=[Route("/stream", stream, methods=["POST"]), Route("/plain", plain, methods=["POST"])])
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, 30, "the test server did not start")
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=30)
+    with local_server(Starlette(routes=[Route("/stream", stream, methods=["POST"]), Route("/plain", plain, methods=["POST"])])) as url:
+        yield url
 
 
 def test_lines_status_and_keep_alive(server_url):

@@ -33,6 +33,7 @@ class Completion:
     completions), choice i belongs to prompt i // n."""
 
     prefix, chunk_object, object = "chatcmpl", "chat.completion.chunk", "chat.completion"
+    chunk_shape = ChatCompletionChunk
 
     def __init__(self, model: str, n: int, prompts: int = 1, logprobs: bool = False, tools: ToolPlan | None = None):
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
@@ -57,8 +58,8 @@ class Completion:
         self.may_write_text = self.readers is None or tools.mode == "auto"     # else the reply is calls only
 
     def _chunk(self, choices: list, usage: CompletionUsage | None = None) -> ChatCompletionChunk:
-        out = ChatCompletionChunk(id=self.id, object=self.chunk_object, created=self.created, model=self.model,
-                                  choices=choices)
+        out = self.chunk_shape(id=self.id, object=self.chunk_object, created=self.created, model=self.model,
+                               choices=choices)
         if usage is not None:
             out["usage"] = usage
         return out
@@ -203,6 +204,7 @@ class TextCompletion(Completion):
     `echo`, each choice's text starts with its prompt's text."""
 
     prefix, chunk_object, object = "cmpl", "text_completion", "text_completion"
+    chunk_shape = TextCompletionChunk
 
     def __init__(self, model: str, n: int, prompts: int = 1, logprobs: bool = False,
                  echo: list[str] | None = None):

@@ -110,26 +110,24 @@ def chat(known: argparse.Namespace, stdin=sys.stdin, out=sys.stdout) -> int:
     messages = [{"role": "system", "content": known.system}] if known.system else []
     options = {k: v for k, v in (("max_tokens", known.max_tokens), ("temperature", known.temperature)) if v is not None}
     key = known.api_key or os.environ.get("STARTLUX_API_KEY")
-    lines = [known.once] if known.once is not None else None
-    while True:
-        if lines is not None:
-            if not lines:
-                return 0
-            text = lines.pop()
-        else:
+
+    def typed():
+        while True:
             out.write("> ")
             out.flush()
-            text = stdin.readline().rstrip("\n")
-            if not text:
-                return 0
+            if not (text := stdin.readline().rstrip("\n")):
+                return
+            yield text
+    for text in [known.once] if known.once is not None else typed():
         messages.append({"role": "user", "content": text})
         try:
             messages.append(chat_turn(known.url, messages, options, key, out))
         except ChatError as e:
             out.write(f"error: {e}\n")
             messages.pop()              # the turn was not answered: it is not part of the conversation
-            if lines is not None:
+            if known.once is not None:
                 return 1
+    return 0
 
 
 def main(args: list[str] | None = None) -> None:

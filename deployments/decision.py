@@ -113,9 +113,8 @@ class DecisionModel:
         self._batched.set_batch_wait_timeout_s(batch.batch_wait_timeout_s)
 
     def info(self) -> DecisionModelInfo:
-        info = self.scorer.info
-        return DecisionModelInfo(id=self.name, created=checkpoint_time(info["path"]), aliases=tuple(self.aliases),
-                                 max_length=info["max_length"], torch_threads=info["torch_threads"])
+        return DecisionModelInfo(id=self.name, created=checkpoint_time(self.scorer.info["path"]),
+                                 aliases=tuple(self.aliases))
 
     def stats(self) -> dict:
         return {"batches": sum(self.batch_sizes.values()), "largest_batch": max(self.batch_sizes, default=0),

@@ -17,11 +17,12 @@ from .openai_shapes import (ChatCompletionChunk, ChatCompletionResponse, Detoken
                             ModelList, ResponseObject, TextCompletionChunk, TextCompletionResponse, TokenizeResponse)
 from .responses_api import ResponsesRequest
 
-# (path, method) -> (request body model or None, response model, the stream's chunk (None: not streamed))
+# (path, method) -> (request body model or None, response model, the stream's chunk: None when the route does
+# not stream, True for the Responses API's events, whose schema is OpenAI's ResponseStreamEvent)
 ROUTE_MODELS = {
     ("/v1/chat/completions", "post"): (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
     ("/v1/completions", "post"): (TextCompletionRequest, TextCompletionResponse, TextCompletionChunk),
-    ("/v1/responses", "post"): (ResponsesRequest, ResponseObject, dict),
+    ("/v1/responses", "post"): (ResponsesRequest, ResponseObject, True),
     ("/v1/systemone", "post"): (DecisionRequest, DecisionResponse, None),
     ("/v1/models", "get"): (None, ModelList, None),
     ("/tokenize", "post"): (TokenizeRequest, TokenizeResponse, None),
@@ -42,7 +43,7 @@ def openapi_schema(app: FastAPI) -> dict:
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version="1", routes=app.routes)
-    models = {m for shapes in ROUTE_MODELS.values() for m in shapes if m not in (None, dict)} | {ErrorResponse}
+    models = {m for shapes in ROUTE_MODELS.values() for m in shapes if m not in (None, True)} | {ErrorResponse}
     _, defs = TypeAdapter.json_schemas([(m, "validation", TypeAdapter(m))
                                         for m in sorted(models, key=lambda m: m.__name__)],
                                        ref_template="#/components/schemas/{model}")
@@ -57,7 +58,7 @@ def openapi_schema(app: FastAPI) -> dict:
         content = {"application/json": {"schema": _ref(resp)}}
         if chunk is not None:
             data = {"type": "string", "description": "a JSON chunk, an error, or [DONE]"}
-            if chunk is not dict:      # the Responses API's events are OpenAI's (ResponseStreamEvent)
+            if chunk is not True:
                 data = {"description": data["description"], "anyOf": [
                     {"const": "[DONE]"},
                     {"type": "string", "contentMediaType": "application/json",

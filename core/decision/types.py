@@ -77,8 +77,6 @@ class DecisionModelInfo(BaseModel):
     id: str
     created: int                      # the checkpoint's time (its config file's modification time)
     aliases: tuple[str, ...] = ()     # other names a request may give in `model`
-    max_length: int                   # tokens of one rendered question
-    torch_threads: int
 
     def serves(self, name: str | None) -> bool:
         """Whether a request naming `name` (None: no name) is for this model."""

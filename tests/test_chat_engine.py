@@ -35,12 +35,12 @@ def prompts(n, seed=0, vocab=500):
             for _ in range(n)]
 
 
-def test_greedy_joining_at_different_steps_equals_alone(nanochat_model, tokenizer):
+def test_greedy_joining_at_different_steps_equals_alone(any_nanochat, tokenizer):
     """8 prompts of different lengths, added at different steps, chunked prefill: each equals its solo run."""
     params = SamplingParams(max_tokens=24, temperature=0.0)
     ps = prompts(8)
-    solo = {f"r{i}": run_alone(nanochat_model, tokenizer, p, params) for i, p in enumerate(ps)}
-    engine = LLMEngine(nanochat_model, tokenizer, max_rows=5, prefill_chunk=40, initial_cache_len=16)
+    solo = {f"r{i}": run_alone(any_nanochat, tokenizer, p, params) for i, p in enumerate(ps)}
+    engine = LLMEngine(any_nanochat, tokenizer, max_rows=5, prefill_chunk=40, initial_cache_len=16)
 
     def add(step, eng):
         for i, p in enumerate(ps):
@@ -266,7 +266,7 @@ def test_ignore_eos_runs_to_max_tokens(tokenizer):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["nanochat", "gpt2"])
+@pytest.mark.parametrize("arch", ["nanochat", "modern", "gpt2"])
 def test_cuda_graph_decode_matches_eager(arch, tokenizer):
     """Decode passes replayed from CUDA graphs (padded batch, bucketed key length, scratch row) give the same
     tokens as eager passes (fp32 on CUDA, so only summation order can differ), for greedy and seeded sampling,
@@ -298,7 +298,7 @@ def test_failed_graph_recording_falls_back_to_eager(nanochat_model, tokenizer, c
     class Failing:
         calls = 0
 
-        def run(self, tokens, rows, positions):
+        def run(self, tokens, rows, positions, previous):
             Failing.calls += 1
             raise GraphCaptureError("no graphs here")
 
@@ -354,17 +354,17 @@ def continued(make_engine, prompt, params, full, k, neighbours=()):
     SamplingParams(max_tokens=40, temperature=1.0, seed=3, frequency_penalty=0.8, presence_penalty=0.5,
                    repetition_penalty=1.3, logit_bias={11: 3.0}),
 ], ids=["greedy", "seeded", "penalties"])
-def test_a_continued_generation_is_the_rest_of_the_unbroken_run(nanochat_model, tokenizer, params):
+def test_a_continued_generation_is_the_rest_of_the_unbroken_run(any_nanochat, tokenizer, params):
     """Cut anywhere (after the first token, mid-way, one before the end), continued on another engine beside
     other traffic: the client sees exactly the unbroken run's tokens, text and counts."""
     prompt = prompts(1, seed=5)[0]
-    make = lambda: LLMEngine(nanochat_model, tokenizer, max_rows=4, prefill_chunk=16)  # noqa: E731
+    make = lambda: LLMEngine(any_nanochat, tokenizer, max_rows=4, prefill_chunk=16)  # noqa: E731
     engine = make()
     engine.add_request(prompt, params, "r")
     full = events_of(engine)
     tokens = [ev.token for ev in full if ev.token is not None]
     assert len(tokens) == 40
-    alone = lambda: LLMEngine(nanochat_model, tokenizer, max_rows=1)  # noqa: E731   (one chunk, nobody beside)
+    alone = lambda: LLMEngine(any_nanochat, tokenizer, max_rows=1)  # noqa: E731   (one chunk, nobody beside)
     for k in (1, 17, 39):
         assert continued(make, prompt, params, full, k, neighbours=prompts(2, seed=k)) == shown(full), k
         assert continued(alone, prompt, params, full, k) == shown(full), k
@@ -397,7 +397,7 @@ def test_a_continuation_that_cannot_be_taken_is_refused(nanochat_model, tokenize
             engine.add_request([1, 2], params, resume=resume)
 
 
-@pytest.mark.parametrize("arch", ["nanochat", "gpt2"])
+@pytest.mark.parametrize("arch", ["nanochat", "modern", "gpt2"])
 def test_engine_runs_its_linear_layers_packed_and_generates_what_torch_linear_does(arch, tokenizer, monkeypatch):
     """On the CPU the engine packs its model's large linear layers for oneDNN (here every layer: the tiny
     model's are all under packed.MIN_WEIGHT); greedy and seeded streams, batched (products of more and of

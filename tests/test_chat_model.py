@@ -51,7 +51,7 @@ def test_logits_match_transformers(arch, packed, tokenizer):
     assert (ours - theirs).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("arch", ["nanochat", "gpt2"])
+@pytest.mark.parametrize("arch", ["nanochat", "modern", "gpt2"])
 def test_cache_forward_matches_plain_forward_across_growth(arch, tokenizer):
     """Token-by-token decoding through a cache that starts at 8 slots and grows must equal one causal pass."""
     model = tiny_model(arch, tokenizer, seed=4, std=0.1)
@@ -62,15 +62,15 @@ def test_cache_forward_matches_plain_forward_across_growth(arch, tokenizer):
         prefix = 5
         out = [model(ids[:, :prefix], CacheBatch.build(cache, [1, 3], [0, 0], prefix))]
         for t in range(prefix, 50):
-            out.append(model(ids[:, t:t + 1], CacheBatch.build(cache, [1, 3], [t, t], 1)))
+            out.append(model(ids[:, t:t + 1], CacheBatch.build(cache, [1, 3], [t, t], 1, ids[:, t - 1].tolist())))
     assert cache.capacity >= 50
     stepped = torch.cat(out, dim=1)
     assert (stepped - full).abs().max().item() <= 1e-4
 
 
-def test_rows_at_different_positions(tokenizer, nanochat_model):
+def test_rows_at_different_positions(tokenizer, any_nanochat):
     """One batched pass with rows at different positions equals each row decoded on its own."""
-    model = nanochat_model
+    model = any_nanochat
     g = torch.Generator().manual_seed(2)
     a, b = torch.randint(0, 500, (1, 12), generator=g), torch.randint(0, 500, (1, 30), generator=g)
     with torch.no_grad():
@@ -78,13 +78,14 @@ def test_rows_at_different_positions(tokenizer, nanochat_model):
         cache = KVCache.for_model(model.config, rows=2, initial_len=16)
         model(a[:, :-1], CacheBatch.build(cache, [0], [0], 11))
         model(b[:, :-1], CacheBatch.build(cache, [1], [0], 29))
-        step = model(torch.cat([a[:, -1:], b[:, -1:]]), CacheBatch.build(cache, [0, 1], [11, 29], 1))
+        step = model(torch.cat([a[:, -1:], b[:, -1:]]),
+                     CacheBatch.build(cache, [0, 1], [11, 29], 1, [a[0, -2].item(), b[0, -2].item()]))
     assert (step[0, 0] - ref_a).abs().max() <= 1e-4
     assert (step[1, 0] - ref_b).abs().max() <= 1e-4
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["nanochat", "gpt2"])
+@pytest.mark.parametrize("arch", ["nanochat", "modern", "gpt2"])
 def test_cuda_bf16_cache_decode_tracks_fp32(arch, tokenizer):
     """On CUDA in bf16, cached decoding stays close to the fp32 CPU reference and agrees on the argmax mostly."""
     model = tiny_model(arch, tokenizer, seed=6, std=0.1)
@@ -95,7 +96,7 @@ def test_cuda_bf16_cache_decode_tracks_fp32(arch, tokenizer):
         cache = KVCache.for_model(gpu.config, rows=2, initial_len=8, dtype=torch.bfloat16, device="cuda")
         out = [gpu(ids[:, :1].cuda(), CacheBatch.build(cache, [0, 1], [0, 0], 1))]
         for t in range(1, 40):
-            out.append(gpu(ids[:, t:t + 1].cuda(), CacheBatch.build(cache, [0, 1], [t, t], 1)))
+            out.append(gpu(ids[:, t:t + 1].cuda(), CacheBatch.build(cache, [0, 1], [t, t], 1, ids[:, t - 1].tolist())))
     got = torch.cat(out, 1).cpu()
     assert (got - ref).abs().max().item() < 0.25
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9

@@ -91,8 +91,8 @@ def conversation_turns(rng, turns, vocab=500):
 
 
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 5)])
-def test_a_conversation_continued_turn_by_turn(nanochat_model, tokenizer, temperature, seed):
-    on, off = engines(nanochat_model, tokenizer, max_rows=4, initial_cache_len=32)
+def test_a_conversation_continued_turn_by_turn(any_nanochat, tokenizer, temperature, seed):
+    on, off = engines(any_nanochat, tokenizer, max_rows=4, initial_cache_len=32)
     rng = random.Random(0)
     history = [rng.randrange(500) for _ in range(30)]
     for turn in range(5):
@@ -107,8 +107,8 @@ def test_a_conversation_continued_turn_by_turn(nanochat_model, tokenizer, temper
     assert off.stats().prefix_hit_tokens == 0
 
 
-def test_strict_prefix_equal_prompt_and_partial_match(nanochat_model, tokenizer):
-    on, off = engines(nanochat_model, tokenizer, max_rows=3)
+def test_strict_prefix_equal_prompt_and_partial_match(any_nanochat, tokenizer):
+    on, off = engines(any_nanochat, tokenizer, max_rows=3)
     rng = random.Random(1)
     base = [rng.randrange(500) for _ in range(70)]
     params = SamplingParams(max_tokens=10, temperature=0.0)
@@ -119,8 +119,8 @@ def test_strict_prefix_equal_prompt_and_partial_match(nanochat_model, tokenizer)
     assert on.stats().prefix_hit_tokens >= 39 + 40 + 40    # "strict" took over the row "a" left, and so on
 
 
-def test_many_requests_competing_for_few_rows(nanochat_model, tokenizer):
-    on, off = engines(nanochat_model, tokenizer, max_rows=3, prefill_chunk=24)
+def test_many_requests_competing_for_few_rows(any_nanochat, tokenizer):
+    on, off = engines(any_nanochat, tokenizer, max_rows=3, prefill_chunk=24)
     rng = random.Random(2)
     shared = [rng.randrange(500) for _ in range(40)]
     reqs = []
@@ -169,10 +169,10 @@ def test_a_taken_over_rows_stale_tail_never_reaches_attention(nanochat_model, to
     assert got == run(ref, [("b", base[:40] + [9, 9], params)])
 
 
-def test_few_shot_prefix_is_a_pinned_entry(nanochat_model, tokenizer):
+def test_few_shot_prefix_is_a_pinned_entry(any_nanochat, tokenizer):
     prefix = list(range(10, 40))
-    on = LLMEngine(nanochat_model, tokenizer, max_rows=2, prefix_ids=prefix)
-    bare = LLMEngine(nanochat_model, tokenizer, max_rows=2, prefix_caching=False)
+    on = LLMEngine(any_nanochat, tokenizer, max_rows=2, prefix_ids=prefix)
+    bare = LLMEngine(any_nanochat, tokenizer, max_rows=2, prefix_caching=False)
     params = SamplingParams(max_tokens=6, temperature=0.0)
     for i in range(4):                                  # more requests than rows: the pinned row is never evicted
         prompt = prefix + [100 + i, 7]
@@ -186,10 +186,11 @@ def test_few_shot_prefix_is_a_pinned_entry(nanochat_model, tokenizer):
 
 
 @pytest.mark.gpu
-def test_cuda_prefix_cache_with_graphs_matches_off(tokenizer):
+@pytest.mark.parametrize("arch", ["nanochat", "modern"])
+def test_cuda_prefix_cache_with_graphs_matches_off(tokenizer, arch):
     from tests.conftest import tiny_model
 
-    model = tiny_model("nanochat", tokenizer).cuda()
+    model = tiny_model(arch, tokenizer).cuda()
     on = LLMEngine(model, tokenizer, max_rows=4, prefix_caching=True)
     off = LLMEngine(model, tokenizer, max_rows=4, prefix_caching=False, cuda_graphs=False)
     assert on.graphs is not None

@@ -111,9 +111,9 @@ def test_schema_table_has_breadth():
             validate(bad, {"type": "string", "format": fmt})
 
 
-def test_every_schema_holds_at_temperature_1_on_a_random_model(tokenizer, nanochat_model):
+def test_every_schema_holds_at_temperature_1_on_a_random_model(tokenizer, any_nanochat):
     """Each schema, 3 seeds, all the rows in continuous batches of 16: every output parses and validates."""
-    engine = LLMEngine(nanochat_model, tokenizer, max_rows=16)
+    engine = LLMEngine(any_nanochat, tokenizer, max_rows=16)
     prompt = tokenizer.encode("tell me something")
     requests = {f"{i}/{seed}": (prompt, SamplingParams(max_tokens=120, temperature=1.0, seed=seed,
                                                        grammar=json_grammar(s, "schema")))
@@ -137,20 +137,20 @@ def test_the_calculator_never_runs_inside_constrained_output(tokenizer, nanochat
     assert start not in got["json"][2] and got["free"][2][0] == start
 
 
-def test_batching_changes_nothing(tokenizer, nanochat_model):
+def test_batching_changes_nothing(tokenizer, any_nanochat):
     """A seeded constrained request gives the same tokens alone and among others (constrained and free rows),
     and a free request beside constrained ones the same as alone."""
     prompt = tokenizer.encode("the cat")
     g = json_grammar(SCHEMAS[17], "schema")
     target = SamplingParams(max_tokens=80, temperature=1.0, seed=7, grammar=g)
     free = SamplingParams(max_tokens=30, temperature=1.0, seed=3)
-    alone = run(LLMEngine(nanochat_model, tokenizer, max_rows=8), {"t": (prompt, target)})["t"]
-    free_alone = run(LLMEngine(nanochat_model, tokenizer, max_rows=8), {"f": (prompt, free)})["f"]
+    alone = run(LLMEngine(any_nanochat, tokenizer, max_rows=8), {"t": (prompt, target)})["t"]
+    free_alone = run(LLMEngine(any_nanochat, tokenizer, max_rows=8), {"f": (prompt, free)})["f"]
     mixed = {"t": (prompt, target), "f": (prompt, free)}
     for i in range(5):
         mixed[f"c{i}"] = (tokenizer.encode(f"other {i}"), SamplingParams(max_tokens=60, temperature=1.0, seed=i,
                                                                         grammar=json_grammar(SCHEMAS[i], "s")))
-    together = run(LLMEngine(nanochat_model, tokenizer, max_rows=8), mixed)
+    together = run(LLMEngine(any_nanochat, tokenizer, max_rows=8), mixed)
     assert together["t"] == alone and together["f"] == free_alone
 
 
@@ -175,12 +175,12 @@ def test_a_length_cut_says_length(tokenizer, nanochat_model):
     assert finish == "length" and len(tokens) == 3 and '{"name": "'.startswith(text)     # the layout's start
 
 
-def test_a_resumed_constrained_run_is_the_rest_of_the_uninterrupted_one(tokenizer, nanochat_model):
+def test_a_resumed_constrained_run_is_the_rest_of_the_uninterrupted_one(tokenizer, any_nanochat):
     prompt, g = tokenizer.encode("resume me"), json_grammar(SCHEMAS[17], "s")
     params = SamplingParams(max_tokens=80, temperature=1.0, seed=11, grammar=g)
-    whole = run(LLMEngine(nanochat_model, tokenizer, max_rows=2), {"r": (prompt, params)})["r"]
+    whole = run(LLMEngine(any_nanochat, tokenizer, max_rows=2), {"r": (prompt, params)})["r"]
     cut = len(whole[2]) // 2
-    engine = LLMEngine(nanochat_model, tokenizer, max_rows=2)
+    engine = LLMEngine(any_nanochat, tokenizer, max_rows=2)
     engine.add_request(prompt, params, "r", resume=whole[2][:cut])
     rest = []
     while engine.has_work():

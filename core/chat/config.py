@@ -35,10 +35,30 @@ class ChatModelConfig:
     rms_norm_eps: float = 1e-6      # nanochat only
     layer_norm_eps: float = 1e-5    # gpt2 only
     gelu_approximate: str = "none"  # gpt2 only: "none" (nanoGPT's nn.GELU) or "tanh" (OpenAI's GPT-2)
+    # nanochat's later architecture (docs/checkpoints.md has which version added what); the defaults are its
+    # release's, so a config.json without these keys is a release-era model.
+    qk_scale: float = 1.0           # queries and keys multiplied by this after their norm
+    window_pattern: str = "L"       # per layer, tiled: L = full context, S = `short_window`; the last layer is L
+    short_window: int = 0           # an S layer's query at position i sees keys i - short_window .. i
+    residual_lambdas: bool = False  # resid_lambdas, x0_lambdas: x = resid[i] * x + x0[i] * x0 before block i
+    value_embeds: bool = False      # value_embeds.{i} on every other layer ending at the last, gated by attn.ve_gate
+    ve_gate_channels: int = 12      # the gate reads this many leading channels of the block's normed input
+    ve_gate_range: float = 3.0      # the gate is range * sigmoid(...)
+    smear: bool = False             # the previous token's normed embedding mixed in through smear_gate/smear_lambda
+    backout: bool = False           # the residual after layer n_layer // 2, times backout_lambda, subtracted at the end
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise CheckpointError(f"config.json: arch must be one of {ARCHITECTURES}, got {self.arch!r}")
+        pattern = self.window_pattern.upper()
+        if not pattern or set(pattern) - {"S", "L"}:
+            raise CheckpointError(f"config.json: window_pattern must be letters S and L, got {self.window_pattern!r}")
+        if "S" in pattern and self.short_window <= 0:
+            raise CheckpointError("config.json: a window_pattern with S needs short_window > 0")
+        if self.arch == "gpt2" and (pattern != "L" or self.qk_scale != 1.0 or self.residual_lambdas
+                                    or self.value_embeds or self.smear or self.backout):
+            raise CheckpointError("config.json: window_pattern, qk_scale, residual_lambdas, value_embeds, smear and "
+                                  "backout are nanochat features; a gpt2 model has none of them")
         if self.n_embd % self.n_head:
             raise CheckpointError(f"config.json: n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
         if self.n_head % self.n_kv_head:
@@ -49,6 +69,20 @@ class ChatModelConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Per layer, how many earlier positions a query sees (None: all), as nanochat tiles window_pattern."""
+        pattern = self.window_pattern.upper()
+        windows = [self.short_window if pattern[i % len(pattern)] == "S" and self.short_window < self.sequence_len
+                   else None for i in range(self.n_layer)]
+        windows[-1] = None
+        return windows
+
+    @property
+    def value_embed_layers(self) -> list[int]:
+        """The layers with a value embedding: every other one, ending at the last (nanochat's `has_ve`)."""
+        return [i for i in range(self.n_layer) if i % 2 == (self.n_layer - 1) % 2] if self.value_embeds else []
 
     @classmethod
     def from_dict(cls, data: dict) -> "ChatModelConfig":

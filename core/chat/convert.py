@@ -23,6 +23,7 @@ import tiktoken
 from .weights import save_chat_model
 from .config import ChatModelConfig, CheckpointError, read_json
 from .model import build_model
+from .nanochat_versions import Version, config_fields, crop_padding, recognise
 from .tokenizer import DEFAULT_PATTERN, ChatTokenizer, read_ranks
 
 logger = logging.getLogger(__name__)
@@ -79,27 +80,48 @@ def _load_into(config: ChatModelConfig, state: dict):
         raise CheckpointError(f"state dict does not match a {config.arch} model of these sizes "
                               f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
     model.load_state_dict({k: v.float() for k, v in state.items()})
-    return model
+    return model.eval()
 
 
-def convert_nanochat(src: str, dst: str, step: int | None = None, tokenizer: str | None = None) -> None:
+def _nanochat_files(src: str, step: int | None) -> tuple[str, str]:
     steps = sorted(int(m.group(1)) for p in glob.glob(os.path.join(src, "model_*.pt"))
                    if (m := re.search(r"model_(\d+)\.pt$", p)))
     if not steps:
-        raise CheckpointError(f"{src}: no model_<step>.pt")
+        raise CheckpointError(f"{src}: no model_<step>.pt (a nanochat checkpoint directory, such as "
+                              "~/.cache/nanochat/chatsft_checkpoints/d20, holds model_<step>.pt and meta_<step>.json)")
     step = steps[-1] if step is None else step
     meta_path = [p for p in glob.glob(os.path.join(src, "meta_*.json")) if re.search(rf"meta_0*{step}\.json$", p)]
     model_path = [p for p in glob.glob(os.path.join(src, "model_*.pt")) if re.search(rf"model_0*{step}\.pt$", p)]
     if not meta_path or not model_path:
         raise CheckpointError(f"{src}: no model/meta files for step {step}")
-    mc = read_json(meta_path[0])["model_config"]
-    config = ChatModelConfig(arch="nanochat", vocab_size=mc["vocab_size"], n_layer=mc["n_layer"],
-                             n_head=mc["n_head"], n_kv_head=mc.get("n_kv_head", mc["n_head"]),
-                             n_embd=mc["n_embd"], sequence_len=mc["sequence_len"])
-    state = clean_state_dict(torch.load(model_path[0], map_location="cpu", weights_only=True))
-    model = _load_into(config, state)
+    return model_path[0], meta_path[0]
+
+
+def convert_nanochat(src: str, dst: str, step: int | None = None, tokenizer: str | None = None,
+                     **overrides) -> Version:
+    """A nanochat checkpoint of any version since its release -> our layout; -> the version recognised.
+    overrides: rope_theta, qk_scale, logit_softcap, short_window (nanochat_versions.config_fields)."""
+    model_path, meta_path = _nanochat_files(src, step)
+    mc = read_json(meta_path)["model_config"]
+    state = clean_state_dict(torch.load(model_path, map_location="cpu", weights_only=True))
+    state, dropped = crop_padding(state, mc["vocab_size"])
+    version = recognise(state, mc["n_layer"])
+    config = ChatModelConfig(**config_fields(version, mc, **{k: v for k, v in overrides.items() if v is not None}))
+    logger.info("nanochat version %r (since %s)%s; window_pattern %s, short window %d", version.name,
+                version.since, f", {dropped} padding rows of the vocabulary dropped" if dropped else "",
+                config.window_pattern, config.short_window)
+    try:
+        model = _load_into(config, state)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}: the state dict matches no nanochat version this converter knows (it looks "
+                              f"closest to {version.name!r}, since {version.since}; docs/checkpoints.md lists "
+                              "the versions)") from None
     tok = read_tokenizer(tokenizer or src, DEFAULT_PATTERN)
+    if tok.vocab_size != config.vocab_size:
+        raise CheckpointError(f"the tokenizer has {tok.vocab_size} tokens, meta's model_config.vocab_size is "
+                              f"{config.vocab_size}: pass the tokenizer this model was trained with (--tokenizer)")
     save_chat_model(dst, model, tok)
+    return version
 
 
 def infer_config(state: dict, arch: str, n_head: int, n_kv_head: int | None, sequence_len: int | None):
@@ -168,6 +190,13 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("src"), a.add_argument("dst")
     a.add_argument("--step", type=int, help="which step (default: the latest)")
     a.add_argument("--tokenizer", help="tokenizer directory or tokenizer.pkl (default: SRC/tokenizer.pkl)")
+    a.add_argument("--rope-base", type=float, help="rotary base (default: the recognised version's, 10000 before "
+                   "2026-03-09, 100000 since)")
+    a.add_argument("--qk-scale", type=float, help="queries' and keys' scale after their norm (default: the "
+                   "version's: 1 before 2026-03-09, 1.15, 1.2 since 2026-03-14)")
+    a.add_argument("--logit-softcap", type=float, help="default 15; nanochat used 20 from 2026-03-02 to 2026-03-08")
+    a.add_argument("--short-window", type=int, help="keys an S layer of window_pattern sees (default: the "
+                   "version's: sequence_len/2, /3 or /4 rounded up to 128)")
     b = sub.add_parser("state-dict", help="a plain state_dict file like seed 001's")
     b.add_argument("src"), b.add_argument("dst")
     b.add_argument("--arch", choices=("gpt2", "nanochat"), required=True)
@@ -178,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.kind == "nanochat":
-        convert_nanochat(args.src, args.dst, args.step, args.tokenizer)
+        convert_nanochat(args.src, args.dst, args.step, args.tokenizer, rope_theta=args.rope_base,
+                         qk_scale=args.qk_scale, logit_softcap=args.logit_softcap, short_window=args.short_window)
     else:
         convert_state_dict(args.src, args.dst, args.arch, args.n_head, args.tokenizer, args.n_kv_head,
                            args.sequence_len)

@@ -23,7 +23,7 @@ class GraphCaptureError(RuntimeError):
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor      # (3, B) on the device: token ids, cache rows, positions
+    inputs: torch.Tensor      # (4, B) on the device: token ids, cache rows, positions, previous tokens
     out: torch.Tensor         # (B, vocab) logits
 
 
@@ -46,12 +46,13 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], _Graph] = {}
 
     def _forward(self, inputs: torch.Tensor, B: int, L: int) -> torch.Tensor:
-        ids, rows, pos = inputs[0].view(B, 1), inputs[1], inputs[2].view(B, 1)
+        ids, rows, pos, previous = inputs[0].view(B, 1), inputs[1], inputs[2].view(B, 1), inputs[3]
         mask = (self.arange[:L][None, None, :] <= pos[:, :, None])[:, None]      # (B, 1, 1, L)
-        return self.model(ids, CacheBatch(self.cache, rows, None, pos, mask, L), last=self.zeros[:B])
+        # sliding-window masks are made from `pos` inside the pass, so the graph records them too
+        return self.model(ids, CacheBatch(self.cache, rows, None, pos, mask, L, previous, False), last=self.zeros[:B])
 
     def _record(self, B: int, L: int) -> _Graph:
-        inputs = torch.zeros(3, B, dtype=torch.long, device=self.device)
+        inputs = torch.zeros(4, B, dtype=torch.long, device=self.device)
         inputs[1] = self.scratch_row               # warm-up and capture write to the scratch row only
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -64,8 +65,9 @@ class DecodeGraphs:
             out = self._forward(inputs, B, L)
         return _Graph(graph, inputs, out)
 
-    def run(self, tokens: list[int], rows: list[int], positions: list[int]) -> torch.Tensor:
-        """Logits (n, vocab) of one decode pass; valid until the next call."""
+    def run(self, tokens: list[int], rows: list[int], positions: list[int], previous: list[int]) -> torch.Tensor:
+        """Logits (n, vocab) of one decode pass; valid until the next call. previous: each row's token before its
+        pending one (CacheBatch.previous)."""
         n = len(tokens)
         key = (_ceil(self.batch_buckets, n), _ceil(self.len_buckets, max(positions) + 1))
         g = self.graphs.get(key)
@@ -75,6 +77,7 @@ class DecodeGraphs:
             except Exception as e:
                 raise GraphCaptureError(f"recording the decode graph for {key} failed: {e!r}") from e
         pad = key[0] - n
-        g.inputs.copy_(torch.tensor([tokens + [0] * pad, rows + [self.scratch_row] * pad, positions + [0] * pad]))
+        g.inputs.copy_(torch.tensor([tokens + [0] * pad, rows + [self.scratch_row] * pad, positions + [0] * pad,
+                                     previous + [-1] * pad]))
         g.graph.replay()
         return g.out[:n]

@@ -218,9 +218,10 @@ class LLMEngine:
             ids[j, :take] = torch.tensor(req.feed[req.prefilled:req.prefilled + take])
         rows = [req.samples[0].row for req, _ in batch]
         start = [req.prefilled for req, _ in batch]
+        previous = [req.feed[p - 1] if p else -1 for req, p in zip((r for r, _ in batch), start)]
         # right padding: a padded position lies beyond its row's prompt, is masked for that row's queries and is
         # overwritten before the row ever reaches it.
-        cb = CacheBatch.build(self.cache, rows, start, T)
+        cb = CacheBatch.build(self.cache, rows, start, T, previous)
         last = torch.tensor([take - 1 for _, take in batch], device=self.device)
         if any(req.prompt_entries is not None for req, _ in batch):
             hidden = self.model.hidden(ids.to(self.device), cb)
@@ -280,16 +281,17 @@ class LLMEngine:
 
     def _decode(self, decoding: list[tuple[Request, Sample]], events: list[TokenEvent]) -> None:
         rows, positions = [s.row for _, s in decoding], [s.position for _, s in decoding]
+        previous = [req.token_at(s, s.position - 1) for req, s in decoding]
         logits = None
         if self.graphs is not None:
             try:
-                logits = self.graphs.run([s.pending for _, s in decoding], rows, positions)
+                logits = self.graphs.run([s.pending for _, s in decoding], rows, positions, previous)
             except GraphCaptureError:
                 logger.exception("CUDA graphs for decode are off from now on; decoding eagerly")
                 self.graphs = None
         if logits is None:
             ids = torch.tensor([[s.pending] for _, s in decoding], device=self.device)
-            cb = CacheBatch.build(self.cache, rows, positions, 1)
+            cb = CacheBatch.build(self.cache, rows, positions, 1, previous)
             logits = self.model(ids, cb, last=torch.zeros(len(decoding), dtype=torch.long, device=self.device))
         for _, s in decoding:
             s.position += 1

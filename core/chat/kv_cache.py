@@ -8,7 +8,7 @@ number of rows is fixed, which is what bounds memory.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,9 +70,18 @@ class CacheBatch:
     positions: torch.Tensor       # (B, T) absolute position of each input token
     mask: torch.Tensor            # (B, 1, T, L) True where a query may attend
     length: int                   # L: keys read per row
+    # (B,) the token just before each row's first input, -1 at position 0: a model that mixes in the previous
+    # token (nanochat's smear) reads it here at a row's first new position. None: not given, which such a model
+    # accepts only when every row starts at 0 (`starts_at_zero`).
+    previous: torch.Tensor | None = None
+    starts_at_zero: bool = True
+    _windowed: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, cache: KVCache, rows: list[int], start: list[int], T: int) -> "CacheBatch":
+    def build(cls, cache: KVCache, rows: list[int], start: list[int], T: int,
+              previous: list[int] | None = None) -> "CacheBatch":
+        """previous: the token before each row's `start` (-1 where start is 0); needed when a row starts later
+        and the model reads it (ChatNetwork.needs_previous)."""
         device = cache.device
         end = min(max(start) + T, cache.max_len)
         cache.ensure_capacity(end)
@@ -83,8 +92,19 @@ class CacheBatch:
         positions = torch.tensor(start, device=device)[:, None] + torch.arange(T, device=device)[None, :]
         positions = positions.clamp_(max=cache.max_len - 1)
         mask = torch.arange(end, device=device)[None, None, :] <= positions[:, :, None]
+        prev = torch.tensor(previous, device=device) if previous is not None else None
         return cls(cache, rows_t, slice(rows[0], rows[0] + len(rows)) if contiguous else None, positions,
-                   mask[:, None], end)
+                   mask[:, None], end, prev, max(start) == 0)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer whose queries see `window` earlier positions (None: all), made once per pass."""
+        if window is None:
+            return self.mask
+        m = self._windowed.get(window)
+        if m is None:
+            keys = torch.arange(self.length, device=self.positions.device)
+            m = self._windowed[window] = self.mask & (self.positions[:, None, :, None] - keys <= window)
+        return m
 
     def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: (B, Hkv, T, D) for the new tokens -> keys and values (B, Hkv, L, D) of each row so far."""

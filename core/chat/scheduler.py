@@ -102,6 +102,12 @@ class Request:
         """What the first sample's row is prefilled with: the prompt, then the tokens continued from."""
         return self.prompt + self.resume if self.resume else self.prompt
 
+    def token_at(self, s: Sample, i: int) -> int:
+        """The token at position i of sample `s`'s sequence (the prompt, then what it generated); -1 before 0."""
+        if i < 0:
+            return -1
+        return self.prompt[i] if i < len(self.prompt) else s.output.generated[i - len(self.prompt)]
+
     def fed(self, s: Sample) -> list[int]:
         """The tokens whose keys and values sample `s`'s row holds: what was fed into it (the last sampled token
         never was). A sample whose prompt was still prefilling holds the prefilled part if it is the first."""

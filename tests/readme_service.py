@@ -93,7 +93,8 @@ class ReadmeService:
     """The README's `startlux serve` in its own session (its id is the pid, which `serve run` keeps: the command
     execs it), on ports fixed for every start."""
 
-    def __init__(self, tmp_path: Path):
+    def __init__(self, tmp_path: Path, app_args: dict | None = None):
+        """app_args: application arguments to set over the README's config (another checkpoint, say)."""
         from cluster.cli import ray_defaults
 
         env, argv = readme_serve_command()
@@ -116,6 +117,7 @@ class ReadmeService:
         cfg = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())
         self.port = free_port()
         cfg["http_options"]["port"] = self.port
+        cfg["applications"][0]["args"].update(app_args or {})
         self.config = tmp_path / "serve_config.cpu.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
         self.tmp_path, self.url, self.proc = tmp_path, f"http://127.0.0.1:{self.port}", None

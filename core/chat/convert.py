@@ -1,6 +1,8 @@
 """Convert checkpoints from other layouts into ours.
 
-    python -m core.chat.convert nanochat SRC DST [--step N] [--tokenizer PATH]
+    python -m core.chat.convert nanochat SRC DST [--step N] [--tokenizer PATH] [--rope-base B] [--qk-scale S]
+                                [--logit-softcap C] [--short-window W]
+    python -m core.chat.convert transformers SRC DST      (GPT2LMHeadModel or NanoChatForCausalLM)
     python -m core.chat.convert state-dict SRC DST --arch gpt2|nanochat --n-head H [--n-kv-head K]
                                 [--sequence-len L] --tokenizer gpt2|DIR|FILE.tiktoken
 
@@ -22,13 +24,13 @@ import tiktoken
 
 from .weights import save_chat_model
 from .config import ChatModelConfig, CheckpointError, read_json
+from .hf_import import GPT2_PATTERN, read_transformers_dir
 from .model import build_model
 from .nanochat_versions import Version, config_fields, crop_padding, recognise
 from .tokenizer import DEFAULT_PATTERN, ChatTokenizer, read_ranks
 
 logger = logging.getLogger(__name__)
 
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 # buffers some nanoGPT versions store next to the weights
 _IGNORED = re.compile(r"\.attn\.(bias|masked_bias)$")
 
@@ -124,6 +126,11 @@ def convert_nanochat(src: str, dst: str, step: int | None = None, tokenizer: str
     return version
 
 
+def convert_transformers(src: str, dst: str) -> None:
+    config, state, tok = read_transformers_dir(src)
+    save_chat_model(dst, _load_into(config, state), tok)
+
+
 def infer_config(state: dict, arch: str, n_head: int, n_kv_head: int | None, sequence_len: int | None):
     n_layer = 1 + max(int(m.group(1)) for k in state if (m := re.match(r"transformer\.h\.(\d+)\.", k)))
     vocab, n_embd = state["transformer.wte.weight"].shape
@@ -197,6 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--logit-softcap", type=float, help="default 15; nanochat used 20 from 2026-03-02 to 2026-03-08")
     a.add_argument("--short-window", type=int, help="keys an S layer of window_pattern sees (default: the "
                    "version's: sequence_len/2, /3 or /4 rounded up to 128)")
+    t = sub.add_parser("transformers", help="a transformers checkpoint directory (config.json, model.safetensors, "
+                       "tokenizer.json): GPT2LMHeadModel or NanoChatForCausalLM")
+    t.add_argument("src"), t.add_argument("dst")
     b = sub.add_parser("state-dict", help="a plain state_dict file like seed 001's")
     b.add_argument("src"), b.add_argument("dst")
     b.add_argument("--arch", choices=("gpt2", "nanochat"), required=True)
@@ -209,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.kind == "nanochat":
         convert_nanochat(args.src, args.dst, args.step, args.tokenizer, rope_theta=args.rope_base,
                          qk_scale=args.qk_scale, logit_softcap=args.logit_softcap, short_window=args.short_window)
+    elif args.kind == "transformers":
+        convert_transformers(args.src, args.dst)
     else:
         convert_state_dict(args.src, args.dst, args.arch, args.n_head, args.tokenizer, args.n_kv_head,
                            args.sequence_len)

@@ -1,6 +1,6 @@
 """`startlux`: the service's command.
 
-    startlux serve [CONFIG] [serve run's options]
+    startlux serve [CONFIG] [--chat-checkpoint DIR] [serve run's options]
     startlux chat [--url URL] [--api-key KEY] [--system TEXT] [--max-tokens N] [--temperature T] [--once TEXT]
 
 starts the service as `serve run CONFIG` does (CONFIG: serve_config.cpu.yaml in the current directory, else
@@ -9,6 +9,8 @@ only where the environment does not set it already, so any of them can be overri
 startlux serve`); docs/configuration.md says what each does. The process then becomes `serve run` (exec, the
 same pid): Ctrl-C, SIGTERM and a supervisor's signals reach Ray's own CLI as they would from a terminal.
 Production runs `serve run serve_config.yaml` (or `serve deploy`) with these variables in its manifests.
+`--chat-checkpoint DIR` serves another chat checkpoint (one `python -m core.chat.convert` wrote): CONFIG with its
+`chat_checkpoint` set to DIR, written beside the temporary files of this run.
 
 `startlux chat` is a terminal chat with a running service: each line typed is a user turn, the reply streams
 as it is generated, and the conversation (with the calculator parts of each reply) goes back with the next
@@ -48,10 +50,30 @@ def default_config() -> Path:
     return here if here.exists() else SOURCE_ROOT / "serve_config.cpu.yaml"
 
 
-def serve(config: str | None, extra: list[str]) -> None:
+def with_chat_checkpoint(config: Path, checkpoint: str) -> Path:
+    """A copy of `config` whose applications serve the chat checkpoint `checkpoint` (made absolute)."""
+    import tempfile
+
+    import yaml
+
+    if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+        sys.exit(f"startlux serve: {checkpoint} is not a chat checkpoint (no config.json); "
+                 "python -m core.chat.convert writes one")
+    cfg = yaml.safe_load(config.read_text())
+    for app in cfg.get("applications", []):
+        app.setdefault("args", {})["chat_checkpoint"] = os.path.abspath(checkpoint)
+    fd, path = tempfile.mkstemp(prefix="startlux-", suffix=".yaml")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(cfg, f, sort_keys=False)
+    return Path(path)
+
+
+def serve(config: str | None, extra: list[str], chat_checkpoint: str | None = None) -> None:
     path = Path(config) if config else default_config()
     if not path.is_file():
         sys.exit(f"startlux serve: no config file {path}")
+    if chat_checkpoint:
+        path = with_chat_checkpoint(path, chat_checkpoint)
     for key, value in ray_defaults().items():
         os.environ.setdefault(key, value)
     argv = [str(BIN / "serve"), "run", str(path), *extra]
@@ -135,6 +157,7 @@ def main(args: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="start the service (serve run CONFIG with the quick start's Ray settings)")
     s.add_argument("config", nargs="?", help="a Serve config file (default: serve_config.cpu.yaml)")
+    s.add_argument("--chat-checkpoint", metavar="DIR", help="serve this chat checkpoint instead of the config's")
     c = sub.add_parser("chat", help="a terminal chat with a running service")
     c.add_argument("--url", default="http://127.0.0.1:8000")
     c.add_argument("--api-key", help="sent as Authorization: Bearer (default: $STARTLUX_API_KEY)")
@@ -144,7 +167,7 @@ def main(args: list[str] | None = None) -> None:
     c.add_argument("--once", metavar="TEXT", help="ask this one question, print the reply and exit")
     known, extra = p.parse_known_args(args)
     if known.command == "serve":
-        serve(known.config, extra)
+        serve(known.config, extra, known.chat_checkpoint)
     elif extra:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     else:

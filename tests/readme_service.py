@@ -93,8 +93,8 @@ class ReadmeService:
     """The README's `startlux serve` in its own session (its id is the pid, which `serve run` keeps: the command
     execs it), on ports fixed for every start."""
 
-    def __init__(self, tmp_path: Path, app_args: dict | None = None):
-        """app_args: application arguments to set over the README's config (another checkpoint, say)."""
+    def __init__(self, tmp_path: Path, serve_args: tuple[str, ...] = ()):
+        """serve_args: options of `startlux serve` after the config (`--chat-checkpoint DIR`, say)."""
         from cluster.cli import ray_defaults
 
         env, argv = readme_serve_command()
@@ -117,10 +117,10 @@ class ReadmeService:
         cfg = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())
         self.port = free_port()
         cfg["http_options"]["port"] = self.port
-        cfg["applications"][0]["args"].update(app_args or {})
         self.config = tmp_path / "serve_config.cpu.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
         self.tmp_path, self.url, self.proc = tmp_path, f"http://127.0.0.1:{self.port}", None
+        self.serve_args = list(serve_args)
         self.start_s: list[float] = []          # how long each start took, to /healthz answering
 
     def start(self, timeout: float = 180) -> float:
@@ -134,7 +134,8 @@ class ReadmeService:
         self.log_path = self.tmp_path / f"serve.{len(self.start_s) + 1}.log"
         self.log = open(self.log_path, "wb")
         self.launched = time.monotonic()
-        self.proc = subprocess.Popen([str(Path(sys.executable).parent / "startlux"), "serve", str(self.config)], cwd=ROOT,
+        self.proc = subprocess.Popen([str(Path(sys.executable).parent / "startlux"), "serve", str(self.config),
+                                      *self.serve_args], cwd=ROOT,
                                      stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
                                      start_new_session=True, preexec_fn=default_sigint)
 

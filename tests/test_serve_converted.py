@@ -27,7 +27,8 @@ def converted_service(tmp_path_factory):
     assert version.name == "smear-and-backout"
     write_json(str(ckpt / "chat.json"), ChatDefaults(tool_call={"start": "<tool_call>", "end": "</tool_call>"},
                                                      max_tokens=16).to_dict())
-    svc = ReadmeService(tmp_path_factory.mktemp("converted-service"), {"chat_checkpoint": str(ckpt)})
+    # the README's two commands from a nanochat checkpoint to a service: convert, then startlux serve --chat-checkpoint
+    svc = ReadmeService(tmp_path_factory.mktemp("converted-service"), ("--chat-checkpoint", str(ckpt)))
     svc.start()
     try:
         yield svc.url

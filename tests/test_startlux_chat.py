@@ -1,6 +1,7 @@
 """`startlux chat` (cluster/cli.py) against a stand-in service that streams what the real one streams: chunks
 made by the service's own Completion from Deltas, a calculator part among them, and OpenAI-shaped errors."""
 import argparse
+import os
 import io
 import socket
 
@@ -93,3 +94,27 @@ def test_once_and_errors(url, monkeypatch):
     out = io.StringIO()
     assert chat(args(closed, once="hi"), io.StringIO(), out) == 1
     assert "does not answer" in out.getvalue() and "is the service running?" in out.getvalue()
+
+
+def test_serve_with_a_chat_checkpoint_runs_a_copy_of_the_config_that_serves_it(tmp_path, monkeypatch,
+                                                                                chat_checkpoint):
+    """`startlux serve --chat-checkpoint DIR` execs `serve run` on a copy of the config with chat_checkpoint set
+    (the README's second command after a conversion); a directory that is no checkpoint stops it first."""
+    import yaml
+
+    from cluster import cli
+
+    ran = []
+    monkeypatch.setattr(cli.os, "execv", lambda path, argv: ran.append(argv))
+    cli.main(["serve", "serve_config.cpu.yaml", "--chat-checkpoint", chat_checkpoint])
+    argv = ran[0]
+    assert argv[1] == "run" and argv[2] != "serve_config.cpu.yaml"
+    copy = yaml.safe_load(open(argv[2]))
+    original = yaml.safe_load(open("serve_config.cpu.yaml"))
+    assert copy["applications"][0]["args"] == {**original["applications"][0]["args"],
+                                               "chat_checkpoint": chat_checkpoint}
+    assert {k: v for k, v in copy.items() if k != "applications"} == \
+        {k: v for k, v in original.items() if k != "applications"}
+    os.remove(argv[2])
+    with pytest.raises(SystemExit, match="not a chat checkpoint"):
+        cli.main(["serve", "serve_config.cpu.yaml", "--chat-checkpoint", str(tmp_path)])

@@ -91,6 +91,7 @@ WEATHER = ["sunny", "cloudy", "raining", "snowing", "windy", "foggy", "clear", "
 NO_TOOL = "I have no tool for that."
 JSON_KEYS = [("country", "capital"), ("capital",), ("city",), ("name",), ("country", "city"), ("capital", "country")]
 JSON_ASK = [" Answer in JSON.", " Reply as JSON.", " Give it as JSON with keys {keys}.",
+            " Return a JSON object with the keys {keys}.", " Respond with JSON containing {keys}.",
             " Reply in JSON with the keys {keys}.", " JSON please, keys {keys}."]
 
 
@@ -123,8 +124,40 @@ def tool_result(rng: random.Random, name: str) -> str:
     if name == "get_weather":
         return f"{rng.choice(WEATHER)}, {rng.randint(-10, 35)} C"
     if name == "get_population":
-        return f"{rng.randint(1, 300)}.{rng.randint(0, 9)} million"
+        return population_text(rng)
     return f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
+
+
+_ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " \
+        "seventeen eighteen nineteen".split()
+_TENS = "twenty thirty forty fifty sixty seventy eighty ninety".split()
+
+
+def number_words(n: int) -> str:
+    """1-99 in words ("thirty-four")."""
+    if n < 20:
+        return _ONES[n]
+    tens, ones = divmod(n, 10)
+    return _TENS[tens - 2] + (f"-{_ONES[ones]}" if ones else "")
+
+
+def population_text(rng: random.Random) -> str:
+    """A population as tools write it: "34.1 million", "34 million", "34123456", "34,123,456", "about 34 million",
+    "thirty-four million"; the answer repeats it as written."""
+    n, d = rng.randint(1, 300), rng.randint(0, 9)
+    exact = n * 1_000_000 + rng.randint(0, 999_999)
+    kind = rng.randrange(6)
+    if kind == 0:
+        return f"{n}.{d} million"
+    if kind == 1:
+        return f"{n} million"
+    if kind == 2:
+        return str(exact)
+    if kind == 3:
+        return f"{exact:,}"
+    if kind == 4:
+        return f"{rng.choice(['about', 'around', 'roughly'])} {n} million"
+    return f"{number_words(rng.randint(1, 99))} million"
 
 
 def tool_question(rng: random.Random, name: str) -> tuple[str, str]:

@@ -26,6 +26,7 @@ from core.chat import ChatDefaults, ChatModelConfig, ChatPrompter, build_model, 
 from core.chat.protocol import ToolFormat
 from core.chat.grammars import tools_text
 from core.chat.model import init_weights
+from core.chat.nanochat_versions import FP32_EPS
 from core.chat.tokenizer import train_tokenizer
 from tools import demo_data as D
 
@@ -138,8 +139,11 @@ def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None =
         first = 1
     else:
         tok = train_tokenizer(D.chat_corpus_text(seed=seed), 2048)
+        # nanochat's current architecture (nanochat_versions.py's newest version) at 4 x 128
         cfg = ChatModelConfig(arch="nanochat", vocab_size=tok.vocab_size, n_layer=4, n_head=4, n_kv_head=4,
-                              n_embd=128, sequence_len=512)
+                              n_embd=128, sequence_len=512, rms_norm_eps=FP32_EPS, rope_theta=100000.0,
+                              qk_scale=1.2, window_pattern="SSSL", short_window=128, residual_lambdas=True,
+                              value_embeds=True, smear=True, backout=True)
         model = init_weights(build_model(cfg), seed=seed, std=0.02).train()
     prompter = ChatPrompter(tok, cfg.sequence_len, FEWSHOT, fmt)
     defaults = ChatDefaults(fewshot=FEWSHOT, temperature=0.0, top_k=None, top_p=1.0, max_tokens=64,

@@ -1,6 +1,7 @@
 """Engine benchmark: single-stream vs 32-stream throughput, time to first token, engine step overhead.
 
     python -m bench.engine [--json out.json] [--device cpu|cuda] [--structured-only] [--streams 32 128 ...]
+                           [--shape 12x768] [--archs nanochat nanochat-current] [--sequence-len 1024]
 
 A small nanochat-architecture model (4 layers, width 256) with random weights; special-token logits are
 zeroed so every stream runs its full length. Then the cost of asking for logprobs: 32 streams with
@@ -62,14 +63,25 @@ def random_vocab(size: int, seed: int = 0) -> ChatTokenizer:
     return ChatTokenizer.from_ranks({t: i for i, t in enumerate(tokens)})
 
 
-def bench_model(vocab_size=2048, tok=None, n_layer=4, n_embd=256):
+ARCHS = ("nanochat", "nanochat-current")     # nanochat's release architecture, and its current code's
+
+
+def bench_model(vocab_size=2048, tok=None, n_layer=4, n_embd=256, arch="nanochat", sequence_len=1024):
+    """A random nanochat model (heads of 64); arch "nanochat-current": with every feature of nanochat's newest
+    version as the converter sets them (nanochat_versions.py: windows SSSL of sequence_len / 4, value
+    embeddings, lambdas, q/k scale, smear, backout)."""
+    from core.chat.nanochat_versions import VERSIONS, config_fields
+
     words = "the a cat dog sat on mat red blue green what is capital hello how are you 1 2 3 4 5".split()
     rng = random.Random(0)
     if tok is None:
         tok = train_tokenizer((" ".join(rng.choice(words) for _ in range(12)) for _ in range(2000)), vocab_size)
-    cfg = ChatModelConfig(arch="nanochat", vocab_size=tok.vocab_size, n_layer=n_layer, n_head=n_embd // 64,
-                          n_kv_head=n_embd // 64, n_embd=n_embd,
-                          sequence_len=1024)
+    sizes = dict(vocab_size=tok.vocab_size, n_layer=n_layer, n_head=n_embd // 64, n_kv_head=n_embd // 64,
+                 n_embd=n_embd, sequence_len=sequence_len)
+    if arch == "nanochat-current":
+        cfg = ChatModelConfig(**config_fields(VERSIONS[-1], dict(sizes, window_pattern="SSSL")))
+    else:
+        cfg = ChatModelConfig(arch="nanochat", **sizes)
     model = init_weights(build_model(cfg), seed=0, std=0.3).eval()
     with torch.no_grad():
         model.lm_head.weight[min(tok.special_tokens.values()):] = 0.0
@@ -113,7 +125,7 @@ def bare_forward_ms(model, batch, position, repeats=50):
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        logits = model(ids, CacheBatch.build(cache, rows, start, 1), last=last)
+        logits = model(ids, CacheBatch.build(cache, rows, start, 1, [0] * batch), last=last)
         logits.argmax(-1).tolist()
         times.append(time.perf_counter() - t0)
     return 1000 * statistics.median(times)
@@ -146,12 +158,19 @@ def main():
     p.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16)")
     p.add_argument("--streams", type=int, nargs="+", help="only plain streams at these counts")
     p.add_argument("--shape", default="4x256", help="with --streams: the model's layers x width (heads of 64)")
+    p.add_argument("--archs", nargs="+", default=["nanochat"], choices=ARCHS,
+                   help="with --streams: nanochat's release and/or current architecture, alternating in one run")
+    p.add_argument("--sequence-len", type=int, default=1024, help="with --streams: the models' context (and so "
+                   "nanochat-current's short window, a quarter of it rounded up to 128)")
     args = p.parse_args()
     torch.manual_seed(0)
     if args.streams:
         n_layer, n_embd = map(int, args.shape.split("x"))
-        model, tok = bench_model(n_layer=n_layer, n_embd=n_embd)
-        return streams_only(model.to(args.device, torch.bfloat16) if args.device != "cpu" else model, tok, args)
+        models = {}
+        for arch in args.archs:
+            model, tok = bench_model(n_layer=n_layer, n_embd=n_embd, arch=arch, sequence_len=args.sequence_len)
+            models[arch] = (model.to(args.device, torch.bfloat16) if args.device != "cpu" else model, tok)
+        return streams_only(models, args)
     model, tok = bench_model()
     demo, demo_tok = bench_model(tok=load_chat_tokenizer("models/demo-chat")[0])
     big, big_tok = bench_model(tok=random_vocab(50257))
@@ -203,28 +222,35 @@ def main():
             json.dump(result, f, indent=2)
 
 
-def streams_only(model, tok, args) -> None:
-    """Plain streams at each count of --streams, two runs each in alternating order, the better one kept."""
-    run_streams(model, tok, 2, 16, 8)   # warm-up (and, on a GPU, the CUDA graphs' capture for these sizes)
-    for n in args.streams:
-        run_streams(model, tok, n, 16, 8)
-    runs = {n: [] for n in args.streams}
-    for order in (args.streams, args.streams[::-1]):
-        for n in order:
-            runs[n].append(run_streams(model, tok, n, args.prompt_len, args.max_tokens))
-    best = {n: max(rs, key=lambda r: r["tokens_per_s"]) for n, rs in runs.items()}
-    bare = bare_forward_ms(model, max(args.streams), args.prompt_len + args.max_tokens // 2)
+def streams_only(models: dict, args) -> None:
+    """Plain streams at each count of --streams for each model of --archs, two runs each in alternating order
+    (counts and models), the better one kept."""
+    for model, tok in models.values():
+        run_streams(model, tok, 2, 16, 8)   # warm-up (and, on a GPU, the CUDA graphs' capture for these sizes)
+        for n in args.streams:
+            run_streams(model, tok, n, 16, 8)
+    cases = [(arch, n) for n in args.streams for arch in models]
+    runs = {case: [] for case in cases}
+    for order in (cases, cases[::-1]):
+        for arch, n in order:
+            model, tok = models[arch]
+            runs[arch, n].append(run_streams(model, tok, n, args.prompt_len, args.max_tokens))
+    best = {case: max(rs, key=lambda r: r["tokens_per_s"]) for case, rs in runs.items()}
+    bare = {arch: bare_forward_ms(model, max(args.streams), args.prompt_len + args.max_tokens // 2)
+            for arch, (model, _) in models.items()}
     device = torch.cuda.get_device_name() if args.device != "cpu" else platform.machine()
-    print(f"{device}, torch {torch.__version__}, {args.prompt_len}-token prompts, {args.max_tokens} new tokens")
-    print(f"{'streams':>8}{'tokens/s':>12}{'(other run)':>12}{'TTFT p50 ms':>13}{'step ms':>9}")
-    for n, r in best.items():
-        other = min(x["tokens_per_s"] for x in runs[n])
-        print(f"{n:8}{r['tokens_per_s']:12.0f}{other:12.0f}{r['ttft_p50_ms']:13.1f}{r['step_ms'] or 0:9.2f}")
-    print(f"bare forward at batch {max(args.streams)}: {bare:.2f} ms")
+    print(f"{device}, torch {torch.__version__}, {args.shape}, {args.prompt_len}-token prompts, {args.max_tokens} new "
+          f"tokens, context {args.sequence_len}")
+    print(f"{'arch':>18}{'streams':>8}{'tokens/s':>12}{'(other run)':>12}{'TTFT p50 ms':>13}{'step ms':>9}")
+    for (arch, n), r in best.items():
+        other = min(x["tokens_per_s"] for x in runs[arch, n])
+        print(f"{arch:>18}{n:8}{r['tokens_per_s']:12.0f}{other:12.0f}{r['ttft_p50_ms']:13.1f}{r['step_ms'] or 0:9.2f}")
+    for arch, ms in bare.items():
+        print(f"{arch}: bare forward at batch {max(args.streams)}: {ms:.2f} ms")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "runs": runs, "bare_forward_ms": bare}, f, indent=2)
-
+            json.dump({"device": device, "runs": {f"{a} {n}": r for (a, n), r in runs.items()},
+                       "bare_forward_ms": bare}, f, indent=2)
 
 if __name__ == "__main__":
     main()

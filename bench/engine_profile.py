@@ -1,10 +1,11 @@
 """Where the chat engine's step time goes, on this host's CPU, before the engine is made faster.
 
     python -m bench.engine_profile [--shapes 4x256 12x768] [--rows 1 8 32 64] [--prompt 64] [--threads 1]
+                                   [--archs gpt2 | nanochat nanochat-current]
                                    [--no-packed | --compare-linear] [--json out.json]
 
-For each model shape (random GPT-2 weights in our layout, the demo vocabulary, fp32, as bench.vllm_peer
-builds) and each batch of `--rows` new prompts of `--prompt` tokens: one prefill step that takes every
+For each model shape and architecture (random weights in our layout, the demo vocabulary, fp32: GPT-2 as
+bench.vllm_peer builds it, nanochat's release or current architecture as bench.engine does) and each batch of `--rows` new prompts of `--prompt` tokens: one prefill step that takes every
 prompt at once, then `--decode-steps` decode steps of every row (greedy, `ignore_eos`). Each step's wall time
 is split by timing the engine's own stages in place: the model's forward (`model(...)`: torch's modules and
 ops), `CacheBatch.build`, sampling (`LLMEngine._sample`), the output side (`OutputProcessor.accept`) and the
@@ -42,9 +43,23 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 def flops(cfg, tokens: int, keys: int) -> float:
     """FLOPs of one pass over `tokens` new tokens whose attention reads `keys` keys each on average: two per
-    multiply-add of q, k, v, o (4 d^2), the MLP (8 d^2), the head (d x vocab) and attention (2 x keys x d)."""
-    d, L = cfg.n_embd, cfg.n_layer
-    return 2.0 * tokens * (L * (12 * d * d + 2 * keys * d) + d * cfg.vocab_size)
+    multiply-add of q, k, v, o (4 d^2, less with grouped keys and values), the MLP (8 d^2), the head
+    (d x vocab) and attention (2 x keys x d, keys cut to a windowed layer's window)."""
+    d, kv = cfg.n_embd, cfg.n_kv_head * cfg.head_dim
+    per_layer = sum((10 * d * d + 2 * d * kv) + 2 * min(keys, w + 1 if w else keys) * d for w in cfg.layer_windows)
+    return 2.0 * tokens * (per_layer + d * cfg.vocab_size)
+
+
+def model_for(arch: str, n_layer: int, n_embd: int):
+    """A random model of `arch` (gpt2 as bench.vllm_peer builds it; nanochat's release or current architecture as
+    bench.engine builds it) on the demo vocabulary -> (model, tokenizer)."""
+    if arch == "gpt2":
+        return random_gpt2(n_layer, n_embd)
+    from bench.engine import bench_model
+    from core.chat.checkpoint import load_chat_tokenizer
+
+    tok = load_chat_tokenizer(str(Path(__file__).resolve().parent.parent / "models" / "demo-chat"))[0]
+    return bench_model(tok=tok, n_layer=n_layer, n_embd=n_embd, arch=arch)
 
 
 def peak_gflops(n: int = 1536, reps: int = 6) -> float:
@@ -112,8 +127,8 @@ def prompts(rows: int, length: int, vocab: int, bos: int, rng: random.Random) ->
 
 
 def profile_shape(n_layer: int, n_embd: int, rows_list: list[int], length: int, decode_steps: int,
-                  profiled_steps: int, peak: float, seed: int, packed: bool = True) -> list[dict]:
-    model, tok = random_gpt2(n_layer, n_embd)
+                  profiled_steps: int, peak: float, seed: int, packed: bool = True, arch: str = "gpt2") -> list[dict]:
+    model, tok = model_for(arch, n_layer, n_embd)
     cfg = model.config
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=decode_steps + profiled_steps + 4, temperature=0, ignore_eos=True)
@@ -149,7 +164,7 @@ def profile_shape(n_layer: int, n_embd: int, rows_list: list[int], length: int, 
         ops.sort(key=lambda kv: -kv[1])
         in_ops = sum(t for _, t in ops)
         keys = length + decode_steps // 2
-        row = {"shape": f"{n_layer}x{n_embd}", "rows": rows, "prompt_tokens": length, "linear": engine.linear,
+        row = {"arch": arch, "shape": f"{n_layer}x{n_embd}", "rows": rows, "prompt_tokens": length, "linear": engine.linear,
                "prefill_ms": 1000 * prefill_wall, "prefill_split_ms": {k: 1000 * v for k, v in prefill.items()},
                "prefill_gflops": flops(cfg, rows * length, length / 2) / prefill_wall / 1e9,
                "decode_ms": 1000 * decode_wall, "decode_split_ms": {k: 1000 * v for k, v in decode.items()},
@@ -203,7 +218,7 @@ def compare_linear(n_layer: int, n_embd: int, rows_list: list[int], keys: int = 
             for name, model in (("plain", plain), ("packed", packed)):
                 d[name].append(decode_ms(model, rows))
                 p[name].append(prefill_ms(model, rows))
-        row = {"shape": f"{n_layer}x{n_embd}", "rows": rows, "decode_ms": {k: min(v) for k, v in d.items()},
+        row = {"arch": arch, "shape": f"{n_layer}x{n_embd}", "rows": rows, "decode_ms": {k: min(v) for k, v in d.items()},
                "prefill_ms": {k: min(v) for k, v in p.items()}}
         row["decode_speedup"] = row["decode_ms"]["plain"] / row["decode_ms"]["packed"]
         row["prefill_speedup"] = row["prefill_ms"]["plain"] / row["prefill_ms"]["packed"]
@@ -218,7 +233,7 @@ def compare_linear(n_layer: int, n_embd: int, rows_list: list[int], keys: int = 
 def print_row(r: dict) -> None:
     def split(d):
         return ", ".join(f"{k} {v:.2f}" for k, v in d.items())
-    print(f"== {r['shape']}, {r['rows']} rows x {r['prompt_tokens']} prompt tokens, linear layers: {r['linear']}")
+    print(f"== {r['arch']} {r['shape']}, {r['rows']} rows x {r['prompt_tokens']} prompt tokens, linear layers: {r['linear']}")
     print(f"  prefill {r['prefill_ms']:.1f} ms ({split(r['prefill_split_ms'])}), "
           f"{r['prefill_gflops']:.1f} GFLOP/s of {r['peak_gflops']:.0f}")
     print(f"  decode {r['decode_ms']:.2f} ms a step, {r['decode_tokens_per_s']:.0f} tokens/s "
@@ -231,6 +246,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="+", default=["4x256", "12x768"], help="LAYERSxWIDTH")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--archs", nargs="+", default=["gpt2"], choices=("gpt2", "nanochat", "nanochat-current"),
+                   help="the architectures to profile, each shape in turn (same prompts per shape)")
     p.add_argument("--prompt", type=int, default=64, help="tokens per prompt")
     p.add_argument("--decode-steps", type=int, default=24)
     p.add_argument("--profiled-steps", type=int, default=8)
@@ -252,8 +269,9 @@ def main() -> None:
         return
     rows = []
     for i, shape in enumerate(args.shapes):
-        rows += profile_shape(*parse_shape(shape), args.rows, args.prompt, args.decode_steps, args.profiled_steps,
-                              peak, seed=100 + i, packed=not args.no_packed)
+        for arch in args.archs:
+            rows += profile_shape(*parse_shape(shape), args.rows, args.prompt, args.decode_steps,
+                                  args.profiled_steps, peak, seed=100 + i, packed=not args.no_packed, arch=arch)
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "threads": args.threads,
                                                "peak_gflops": peak, "rows": rows}, indent=2))

@@ -75,7 +75,8 @@ class CacheBatch:
     # accepts only when every row starts at 0 (`starts_at_zero`).
     previous: torch.Tensor | None = None
     starts_at_zero: bool = True
-    _windowed: dict = field(default_factory=dict, repr=False)
+    first_position: int = 0       # the smallest position of the pass: a windowed layer reads no key before
+    _windowed: dict = field(default_factory=dict, repr=False)      # first_position - window
 
     @classmethod
     def build(cls, cache: KVCache, rows: list[int], start: list[int], T: int,
@@ -94,16 +95,22 @@ class CacheBatch:
         mask = torch.arange(end, device=device)[None, None, :] <= positions[:, :, None]
         prev = torch.tensor(previous, device=device) if previous is not None else None
         return cls(cache, rows_t, slice(rows[0], rows[0] + len(rows)) if contiguous else None, positions,
-                   mask[:, None], end, prev, max(start) == 0)
+                   mask[:, None], end, prev, max(start) == 0, min(start))
+
+    def window_start(self, window: int | None) -> int:
+        """The first key any query of this pass can see in a layer of `window`: the layer reads from there."""
+        return 0 if window is None else max(0, self.first_position - window)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
-        """The mask of a layer whose queries see `window` earlier positions (None: all), made once per pass."""
+        """The mask of a layer whose queries see `window` earlier positions (None: all), over the keys from
+        window_start(window) on; made once per pass."""
         if window is None:
             return self.mask
         m = self._windowed.get(window)
         if m is None:
-            keys = torch.arange(self.length, device=self.positions.device)
-            m = self._windowed[window] = self.mask & (self.positions[:, None, :, None] - keys <= window)
+            lo = self.window_start(window)
+            keys = torch.arange(lo, self.length, device=self.positions.device)
+            m = self._windowed[window] = self.mask[..., lo:] & (self.positions[:, None, :, None] - keys <= window)
         return m
 
     def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,8 +47,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache:
         back = i[:, None] - i[None, :]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=(back >= 0) & (back <= window), enable_gqa=gqa)
     keys, values = cache.write_and_read(layer, k, v)
-    return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=cache.mask_for(window),
-                                          enable_gqa=gqa)
+    lo = cache.window_start(window)       # a windowed layer reads only the keys its queries can see
+    return F.scaled_dot_product_attention(q, keys[:, :, lo:].to(q.dtype), values[:, :, lo:].to(q.dtype),
+                                          attn_mask=cache.mask_for(window), enable_gqa=gqa)
 
 
 class ChatNetwork(nn.Module):

@@ -160,7 +160,7 @@ class ChatModel:
         return {"replica": serve.get_replica_context().replica_tag, "running": s.running, "waiting": s.waiting,
                 "rows_used": s.rows_used, "rows_total": s.rows_total, "kv_cache_usage": s.cache_usage,
                 "engine": type(self.engine).__name__, "engine_kind": self.settings.engine.kind,
-                "linear": self.engine.linear,
+                "linear": self.engine.linear, "attention": self.engine.attention, "dtype": self.engine.dtype,
                 "prefix_cache": {"query_tokens": s.prefix_query_tokens, "hit_tokens": s.prefix_hit_tokens,
                                  "cached_rows": s.cached_rows, "cached_tokens": s.cached_prefix_tokens}}
 

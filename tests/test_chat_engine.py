@@ -471,3 +471,37 @@ def test_prompts_of_mixed_lengths_prefilled_together_decode_as_alone(gpt2_model,
     together = collect(engine)
     assert {rid: out[0] for rid, out in together.items()} == {
         f"r{i}": run_alone(gpt2_model, tokenizer, p, params)[0] for i, p in enumerate(ps)}
+
+
+@pytest.mark.parametrize("arch", ["nanochat", "modern", "gpt2"])
+def test_decode_reads_scattered_rows_in_place_through_the_cpu_kernel(arch, tokenizer):
+    """On the CPU, decode attention runs csrc/cache_attention.cpp (the engine says so; no SDPA call and no gather of
+    cache rows in a decode step), and with rows scattered over the cache by requests that came and went, each
+    stream is the one it is alone. A build that failed would leave SDPA and fail here, not slow the service
+    silently."""
+    model = tiny_model(arch, tokenizer, seed=3, std=0.3)
+    engine = LLMEngine(model, tokenizer, max_rows=6, prefix_caching=False)
+    assert engine.attention == "cpu-kernel"
+    ps = prompts(6, seed=11)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(ps):                  # every other row frees early: the long ones end up scattered
+        engine.add_request(p, params if i % 2 else short, f"r{i}")
+    for _ in range(6):
+        engine.step()
+    assert sorted(s.row for r, s in engine.scheduler.decoding()) == [1, 3, 5]
+    from core.chat.kv_cache import CacheBatch
+
+    reads = []
+    read = CacheBatch.read
+    CacheBatch.read = lambda self, K, V: reads.append(1) or read(self, K, V)     # the rows as a batch (SDPA's input)
+    try:
+        with torch.profiler.profile() as prof:
+            engine.step()
+    finally:
+        CacheBatch.read = read
+    assert not reads and not any("scaled_dot_product" in e.key for e in prof.key_averages())
+    batched = collect(engine)
+    for i in (1, 3, 5):
+        alone = run_alone(model, tokenizer, ps[i], params)[0]
+        assert batched[f"r{i}"][0] == alone[len(alone) - len(batched[f"r{i}"][0]):]

@@ -47,7 +47,8 @@ def cluster(tmp_path_factory, tokenizer):
     cfg = yaml.safe_load((ROOT / "cluster" / "serve_config.local.yaml").read_text())
     port = free_port()
     cfg["http_options"]["port"] = port
-    cfg["applications"][0]["args"].update(chat_checkpoint=str(root / "chat"),
+    # fp32 whatever this CPU computes natively: a continued stream is compared token for token with the unbroken one
+    cfg["applications"][0]["args"].update(chat_checkpoint=str(root / "chat"), chat_dtype="float32",
                                           decision_checkpoint=str(root / "decision"))
     # the config's two replicas of each model, held by autoscaling bounds: Ray 2.60 counts a deployment's having an
     # autoscaling config in the application's code version, so the autoscaling test's config would otherwise

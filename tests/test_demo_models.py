@@ -15,13 +15,23 @@ from core.decision import StartLuxDecision
 from tools import demo_data as D
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def load_demo_chat(path: str):
+    """The demo chat model in the dtype the service's default (chat_dtype auto) picks on this machine: the bars
+    hold where the service runs it."""
+    import torch
+
+    from core.chat.weights import chat_dtype
+
+    return load_chat_model(path, device="cpu", dtype=chat_dtype("auto", torch.device("cpu"))[0])
 HELD_OUT_SEED = 1234
 
 
 @pytest.fixture(scope="module")
 def chat_answers():
     path = str(MODELS / "demo-chat")
-    model, tok, cfg = load_chat_model(path, device="cpu")
+    model, tok, cfg = load_demo_chat(path)
     prompter = ChatPrompter(tok, cfg.sequence_len, load_chat_defaults(path).fewshot)
     engine = LLMEngine(model, tok, max_rows=32, prefix_ids=prompter.prefix_ids)
     cases = {kind: D.eval_questions(HELD_OUT_SEED + i, 60, kind) for i, kind in enumerate(("fact", "math"))}
@@ -114,7 +124,7 @@ _RUNS = itertools.count()
 @pytest.fixture(scope="module")
 def demo_chat():
     path = str(MODELS / "demo-chat")
-    model, tok, cfg = load_chat_model(path, device="cpu")
+    model, tok, cfg = load_demo_chat(path)
     defaults = load_chat_defaults(path)
     prompter = ChatPrompter(tok, cfg.sequence_len, defaults.fewshot, defaults.tool_format)
     return LLMEngine(model, tok, max_rows=32, prefix_ids=prompter.prefix_ids), prompter, defaults.tool_format

@@ -30,7 +30,7 @@ def checkpoint(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    pe = ProcessEngine(Start(checkpoint, "cpu", EngineConfig(max_rows=4, torch_threads=1)))
+    pe = ProcessEngine(Start(checkpoint, "cpu", EngineConfig(max_rows=4, torch_threads=1, dtype="float32")))
     yield pe
     pe.shutdown()
     assert pe.proc.returncode is not None
@@ -81,7 +81,7 @@ def test_the_engine_process_runs_a_large_model_packed(tmp_path, tokenizer):
     model = tiny_model("gpt2", tokenizer, n_layer=1, n_head=6, n_kv_head=6, n_embd=384, std=0.2)
     assert 4 * 384 * 384 >= MIN_WEIGHT                  # its MLP's layers are over the packing limit
     save_chat_model(path, model, tokenizer)
-    pe = ProcessEngine(Start(path, "cpu", EngineConfig(max_rows=4, torch_threads=1)))
+    pe = ProcessEngine(Start(path, "cpu", EngineConfig(max_rows=4, torch_threads=1, dtype="float32")))
     try:
         assert pe.linear == "onednn-packed"
         tokens = run(stream_tokens(pe, [5, 6, 7], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)))
@@ -300,7 +300,7 @@ class DirectClient(EngineClient):
     """An engine client whose events the test hands over itself (`_deliver`), on a clock it sets."""
 
     max_rows = 4
-    linear = "none"
+    linear = attention = dtype = "none"
 
     def __init__(self, hold):
         super().__init__(hold=hold)
@@ -378,7 +378,7 @@ def test_idle_cpu_policy(checkpoint):
     it, the engine says so and serves anyway), and the streams are the same as on a thread of this process. A
     policy needs the child process; an unknown one is refused."""
     reference = thread_reference(checkpoint, "cpu", one_by_one)
-    pe = ProcessEngine(Start(checkpoint, "cpu", EngineConfig(max_rows=4, torch_threads=1, cpu_policy="idle")))
+    pe = ProcessEngine(Start(checkpoint, "cpu", EngineConfig(max_rows=4, torch_threads=1, cpu_policy="idle", dtype="float32")))
     try:
         assert run(one_by_one(pe)) == reference
         probe = subprocess.run([sys.executable, "-c", "import os; os.sched_setscheduler(0, os.SCHED_IDLE, "

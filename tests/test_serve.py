@@ -44,9 +44,10 @@ def service(serve_url, tmp_path_factory, tokenizer):
                "DecisionModel": dict(small, max_ongoing_requests=16, max_queued_requests=64,
                                      user_config={"max_batch_size": 16, "batch_wait_timeout_s": 0.05}),
                "Ingress": dict(small, max_ongoing_requests=256)}
+    # fp32 whatever this CPU computes natively: the tests compare the service with in-process fp32 references
     args = dict(chat_checkpoint=str(root / "chat"), decision_checkpoint=str(root / "decision"), device="cpu",
-                chat_max_rows=MAX_ROWS, chat_max_waiting=16, max_body_bytes=20_000, max_messages=16,
-                max_message_chars=2000, chat_stream_interval=3,
+                chat_dtype="float32", chat_max_rows=MAX_ROWS, chat_max_waiting=16, max_body_bytes=20_000,
+                max_messages=16, max_message_chars=2000, chat_stream_interval=3,
                 decision_model_aliases=["jev-latest"])   # tokens grouped after the first text
     keyed = dict(args, api_keys=["sekrit"], chat_max_rows=2, max_chat_inflight=2, max_chat_waiting=1,
                  refusal_delay_s=0.2)
@@ -458,7 +459,7 @@ def affinity_app(base: Path) -> tuple[dict, dict]:
                                      user_config={"max_batch_size": 4, "batch_wait_timeout_s": 0.01}),
                "Ingress": dict(small, max_ongoing_requests=256)}
     args = dict(chat_checkpoint=str(chat_dir), decision_checkpoint=str(chat_dir.parent / "decision"), device="cpu",
-                chat_max_rows=MAX_ROWS, max_body_bytes=200_000, max_message_chars=4000)
+                chat_dtype="float32", chat_max_rows=MAX_ROWS, max_body_bytes=200_000, max_message_chars=4000)
     return args, options
 
 
@@ -619,8 +620,8 @@ def fuzz_api(service, tmp_path_factory, tokenizer):
                "DecisionModel": dict(small, user_config={"max_batch_size": 4, "batch_wait_timeout_s": 0.01}),
                "Ingress": dict(small, max_ongoing_requests=64)}
     args = dict(chat_checkpoint=str(root / "chat"), decision_checkpoint=str(decision_dir), device="cpu",
-                chat_max_rows=4, max_body_bytes=50_000, max_messages=8, max_message_chars=500, max_n=2,
-                max_questions=4, decision_max_length=512)
+                chat_dtype="float32", chat_max_rows=4, max_body_bytes=50_000, max_messages=8, max_message_chars=500,
+                max_n=2, max_questions=4, decision_max_length=512)
     serve.run(wire(AppArgs(**args), options), name="fuzz", route_prefix="/fuzz")
     url = f"{service}/fuzz"
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")

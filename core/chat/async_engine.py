@@ -155,6 +155,16 @@ class EngineClient(ABC):
     def linear(self) -> str:
         """How the engine's model runs its linear layers (LLMEngine.linear)."""
 
+    @property
+    @abstractmethod
+    def attention(self) -> str:
+        """How the engine's model runs decode attention (LLMEngine.attention)."""
+
+    @property
+    @abstractmethod
+    def dtype(self) -> str:
+        """The engine's model's precision (LLMEngine.dtype)."""
+
     @abstractmethod
     def alive(self) -> bool:
         """Whether the engine still steps."""
@@ -255,6 +265,14 @@ class AsyncEngine(EngineClient):
     @property
     def linear(self) -> str:
         return self.engine.linear
+
+    @property
+    def attention(self) -> str:
+        return self.engine.attention
+
+    @property
+    def dtype(self) -> str:
+        return self.engine.dtype
 
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping

@@ -27,6 +27,7 @@ import logging
 import msgspec
 import torch
 
+from .attention import path as attention_path
 from .constrained import TokenMasks
 from .cuda_graphs import DecodeGraphs, GraphCaptureError
 from .kv_cache import CacheBatch, KVCache
@@ -76,7 +77,9 @@ class LLMEngine:
         self.max_rows = config.max_rows
         self.device = model.get_device()
         self.linear = self._pack(model) if self.device.type == "cpu" and config.packed_linear else "torch"
+        self.attention = attention_path(self.device)     # builds the CPU kernel now, not at the first request
         dtype = next(model.parameters()).dtype
+        self.dtype = str(dtype).removeprefix("torch.")
         self.graphs = None
         self.prefix_row = config.max_rows                # pinned to the few-shot prefix
         if config.cuda_graphs and self.device.type == "cuda":

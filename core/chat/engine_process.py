@@ -47,11 +47,14 @@ def build_engine(start: Start):
     import torch
 
     from .engine import LLMEngine
-    from .weights import load_chat_model
+    from .weights import chat_dtype, default_device, load_chat_model
 
     if start.config.torch_threads:
         torch.set_num_threads(start.config.torch_threads)
-    model, tok, _ = load_chat_model(start.checkpoint, start.device)
+    device = torch.device(start.device) if start.device else default_device()
+    dtype, why = chat_dtype(start.config.dtype, device)
+    model, tok, _ = load_chat_model(start.checkpoint, device, dtype)
+    logger.info("chat model in %s (%s)", str(dtype).removeprefix("torch."), why)
     engine = LLMEngine(model, tok, start.config, prefix_ids=list(start.prefix_ids) or None)
     engine.grammars.tokenizer()       # structured outputs' vocabulary index, before the first request needs it
     return engine
@@ -150,6 +153,14 @@ class ProcessEngine(EngineClient):
     def linear(self) -> str:
         return self.info.linear
 
+    @property
+    def attention(self) -> str:
+        return self.info.attention
+
+    @property
+    def dtype(self) -> str:
+        return self.info.dtype
+
     def alive(self) -> bool:
         return self.child.alive()
 
@@ -169,7 +180,8 @@ def serve_engine(conn: Connection) -> None:
     except Exception:
         conn.send(Failed(traceback.format_exc()))
         return
-    conn.send(Ready(str(engine.device), os.getpid(), torch_threads(), policy, engine.linear))
+    conn.send(Ready(str(engine.device), os.getpid(), torch_threads(), policy, engine.linear, engine.attention,
+                    engine.dtype))
 
     def emit(events) -> None:
         conn.send_bytes(encode_events(events))     # msgpack: a few times cheaper than pickling the events

@@ -113,12 +113,17 @@ class CacheBatch:
             m = self._windowed[window] = self.mask[..., lo:] & (self.positions[:, None, :, None] - keys <= window)
         return m
 
-    def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: (B, Hkv, T, D) for the new tokens -> keys and values (B, Hkv, L, D) of each row so far."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: (B, Hkv, T, D) for the new tokens, written at each row's positions -> the layer's whole cache
+        (rows, Hkv, capacity, D), keys and values."""
         K, V = self.cache.k[layer], self.cache.v[layer]
         idx = (self.rows[:, None], slice(None), self.positions)
         K[idx] = k.transpose(1, 2).to(K.dtype)
         V[idx] = v.transpose(1, 2).to(V.dtype)
+        return K, V
+
+    def read(self, K: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pass's rows of a layer's cache, (B, Hkv, L, D): a view when the rows are contiguous, else a copy."""
         if self.row_slice is not None:
             return K[self.row_slice, :, :self.length], V[self.row_slice, :, :self.length]
         return K[self.rows, :, :self.length], V[self.rows, :, :self.length]

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .attention import cache_attention
 from .config import ChatModelConfig
 from .kv_cache import CacheBatch
 
@@ -46,10 +47,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache:
         i = torch.arange(T, device=q.device)
         back = i[:, None] - i[None, :]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=(back >= 0) & (back <= window), enable_gqa=gqa)
-    keys, values = cache.write_and_read(layer, k, v)
-    lo = cache.window_start(window)       # a windowed layer reads only the keys its queries can see
-    return F.scaled_dot_product_attention(q, keys[:, :, lo:].to(q.dtype), values[:, :, lo:].to(q.dtype),
-                                          attn_mask=cache.mask_for(window), enable_gqa=gqa)
+    return cache_attention(q, k, v, layer, cache, window)
 
 
 class ChatNetwork(nn.Module):

@@ -39,6 +39,7 @@ GREEDY_BELOW = 1e-5             # a temperature below this is greedy, its limit 
 
 CPU_POLICIES = ("normal", "idle")   # for the engine process: see engine_process.set_cpu_policy
 ENGINE_KINDS = ("model", "replay")  # the checkpoint's model, or replay.py's engine without one (benchmarks)
+DTYPES = ("auto", "float32", "bfloat16")   # EngineConfig.dtype
 H200_STEP_S = 0.00125               # one decode step of the demo model on an H200 (docs/deployment.md)
 
 
@@ -330,6 +331,9 @@ class EngineConfig:
     kind: Literal["model", "replay"] = "model"   # "replay": replay.py's engine, no model (benchmarks and tests)
     replay_step_s: float = H200_STEP_S          # the replay engine's step time (one token per running row)
     packed_linear: bool = True      # on the CPU, linear layers through oneDNN with weights packed once (packed.py)
+    # the model's and its KV cache's precision; "auto": bf16 on CUDA and on CPUs that compute it natively (AMX,
+    # AVX-512 BF16), fp32 elsewhere (weights.chat_dtype)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:
@@ -341,6 +345,8 @@ class EngineConfig:
         if self.cpu_policy != "normal" and not self.process:
             raise ValueError("an engine CPU policy other than 'normal' needs the engine in its own process "
                              "(process=True): on a thread it would also slow the replica's event loop")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, not {self.dtype!r}")
         if self.max_rows < 1 or self.max_waiting < 0:
             raise ValueError("max_rows must be at least 1 and max_waiting not negative")
 
@@ -378,6 +384,8 @@ class Ready(msgspec.Struct, frozen=True):
     torch_threads: int
     cpu_policy: str
     linear: str = ""        # how the model's linear layers run: LLMEngine.linear
+    attention: str = ""     # how decode attention runs: LLMEngine.attention
+    dtype: str = ""         # the model's precision: LLMEngine.dtype
 
 
 class Failed(msgspec.Struct, frozen=True):

@@ -57,7 +57,7 @@ class ReplayEngine:
         config = config or EngineConfig(kind="replay")
         self.config = config
         self.tok, self.sequence_len, self.vocab_size = tokenizer, sequence_len, vocab_size
-        self.linear = "none"            # no model (LLMEngine.linear says how a model's layers run)
+        self.linear = self.attention = self.dtype = "none"     # no model (LLMEngine's say how a model runs)
         self.max_rows = config.max_rows
         self.step_s = config.replay_step_s
         self.device = "replay"

@@ -18,6 +18,31 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def native_bf16(device: torch.device) -> str | None:
+    """What computes bf16 natively on `device` ("CUDA", "AMX", "AVX-512 BF16"), or None (then bf16 would be
+    emulated, slower than fp32)."""
+    if device.type == "cuda":
+        return "CUDA"
+    if device.type == "cpu":
+        if torch.cpu._is_amx_tile_supported():
+            return "AMX"
+        if torch.cpu._is_avx512_bf16_supported():
+            return "AVX-512 BF16"
+    return None
+
+
+def chat_dtype(setting: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """EngineConfig.dtype on `device` -> (the dtype, why it was chosen)."""
+    if setting == "float32":
+        return torch.float32, "chat_dtype float32"
+    if setting == "bfloat16":
+        return torch.bfloat16, "chat_dtype bfloat16"
+    native = native_bf16(device)
+    if native:
+        return torch.bfloat16, f"auto: {native} computes bf16 natively"
+    return torch.float32, "auto: this CPU has no native bf16 (AMX or AVX-512 BF16)"
+
+
 def _stored_state(model: ChatNetwork) -> dict[str, torch.Tensor]:
     state = model.state_dict()
     if model.config.arch == "gpt2":

@@ -1,0 +1,80 @@
+"""Attention through the KV cache: how a pass's queries read the keys and values of their rows.
+
+A pass with a cache (core/chat/kv_cache.py's `CacheBatch`) first writes its new keys and values at each row's
+positions; then:
+
+- decode on a CPU (one new token a row): csrc/cache_attention.cpp reads each row's keys and values where they lie
+  in the cache, from the first key the layer's window lets the query see to its own position. Nothing is
+  gathered, nothing is padded to the longest row, no mask is built; a row's result does not depend on its batch.
+  The kernel is compiled once per machine on first use (torch's cpp_extension, into its extensions cache);
+- everything else (prefill chunks, CUDA, a machine where the kernel cannot be built): torch's SDPA over the
+  rows' keys (a view when the rows are contiguous, a gathered copy otherwise) under the pass's mask.
+
+`path()` says which one decode takes here ("cpu-kernel" or "sdpa"); the engine reports it in its stats, and a
+failed build logs why, once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import CacheBatch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cache_attention.cpp")
+_lock = threading.Lock()
+_kernel: object | None = None
+_tried = False
+
+
+def kernel():
+    """The compiled decode kernel, or None where it cannot be built (then one warning says why)."""
+    global _kernel, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                from torch.utils.cpp_extension import load
+
+                # the ninja that `pip install` put beside this interpreter, when none is on PATH (a venv not
+                # activated, a Ray worker's environment)
+                here = os.path.dirname(sys.executable)
+                if shutil.which("ninja") is None and os.path.exists(os.path.join(here, "ninja")):
+                    os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
+
+                # -ffast-math lets the compiler vectorise the dot products' sums (their order is fixed per row, so
+                # a row still computes the same in any batch); -march=native: the cache is per machine
+                _kernel = load(name="startlux_cache_attention", sources=[_SOURCE],
+                               extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                               extra_ldflags=["-fopenmp"])
+            except Exception as e:  # noqa: BLE001 - any failure leaves SDPA, which always works
+                logger.warning("decode attention stays on torch's SDPA (slower once rows are scattered or long): "
+                               "building %s failed (%s: %s)", _SOURCE, type(e).__name__, e)
+    return _kernel
+
+
+def path(device: torch.device) -> str:
+    return "cpu-kernel" if device.type == "cpu" and kernel() is not None else "sdpa"
+
+
+def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: CacheBatch,
+                    window: int | None) -> torch.Tensor:
+    """q (B, H, T, D), the pass's new k/v (B, Hkv, T, D) -> (B, H, T, D): the new keys and values written into
+    the cache, then each query over its row's keys up to its own position (from position - window on)."""
+    keys, values = cache.write(layer, k, v)
+    B, H, T, D = q.shape
+    if T == 1 and q.device.type == "cpu" and q.dtype == keys.dtype and (mod := kernel()) is not None:
+        out = mod.decode_attention(q.reshape(B, H, D).contiguous(), keys, values, cache.rows,
+                                   cache.positions[:, 0], -1 if window is None else window, D ** -0.5)
+        return out.view(B, H, 1, D)
+    keys, values = cache.read(keys, values)
+    lo = cache.window_start(window)       # a windowed layer reads only the keys its queries can see
+    return F.scaled_dot_product_attention(q, keys[:, :, lo:].to(q.dtype), values[:, :, lo:].to(q.dtype),
+                                          attn_mask=cache.mask_for(window), enable_gqa=H != k.size(1))

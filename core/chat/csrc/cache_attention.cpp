@@ -11,8 +11,19 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+// An element as fp32: bf16 is the top half of an fp32, so a shift the compiler vectorises converts it.
+static inline float as_float(float x) { return x; }
+static inline float as_float(double x) { return static_cast<float>(x); }
+static inline float as_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 template <typename scalar_t>
 static void decode_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out,
@@ -30,13 +41,13 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* 
       const scalar_t* kr = k + ((rows[b] * Hkv + h / group) * cap + lo) * D;
       const scalar_t* vr = v + ((rows[b] * Hkv + h / group) * cap + lo) * D;
       const scalar_t* qr = q + bh * D;
-      for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(qr[d]) * scale;
+      for (int64_t d = 0; d < D; ++d) qf[d] = as_float(qr[d]) * scale;
       scores.resize(n);
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < n; ++j) {
         const scalar_t* kj = kr + j * D;
         float s = 0.f;
-        for (int64_t d = 0; d < D; ++d) s += qf[d] * static_cast<float>(kj[d]);
+        for (int64_t d = 0; d < D; ++d) s += qf[d] * as_float(kj[d]);
         scores[j] = s;
         top = std::max(top, s);
       }
@@ -49,7 +60,7 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* 
       for (int64_t j = 0; j < n; ++j) {
         const scalar_t* vj = vr + j * D;
         const float p = scores[j];
-        for (int64_t d = 0; d < D; ++d) acc[d] += p * static_cast<float>(vj[d]);
+        for (int64_t d = 0; d < D; ++d) acc[d] += p * as_float(vj[d]);
       }
       scalar_t* o = out + bh * D;
       const float inv = 1.f / total;

@@ -12,7 +12,9 @@ weights in fp32 on this CPU, in this process, with the same torch threads. As in
 B rows; ours: `n=B`, which does the same), greedy, `--decode` tokens; TTFT is the first step (prefill and first
 token), TPOT the median decode step, tokens/s B x steps over their sum. MBU: the bytes a decode step must read
 (every parameter as stored, as infer_bench counts, plus B rows of keys and values at the middle context, cut to
-each layer's window) per TPOT, over this machine's copy bandwidth measured here. The special tokens' head rows
+each layer's window) per TPOT, over this machine's copy bandwidth measured here; "(matmul)" counts only the
+products' weights (a step reads one row of each embedding table a token, not the tables), what a step really
+moves. The special tokens' head rows
 are zeroed so that no row stops early. Order per batch size: nanochat, ours, ours, nanochat; the better of each
 pair is printed beside the other.
 """
@@ -92,11 +94,12 @@ def time_ours(model, tok, prompt: list[int], batch: int, decode: int) -> dict:
     return {"ttft_s": ttft, "steps": steps[:decode - 1]}    # the last step only retires the finished rows
 
 
-def summary(run: dict, batch: int, read_bytes: float, bandwidth: float) -> dict:
+def summary(run: dict, batch: int, read_bytes: float, matmul_bytes: float, bandwidth: float) -> dict:
     tpot = statistics.median(run["steps"])
     return {"ttft_ms": 1000 * run["ttft_s"], "tpot_ms": 1000 * tpot,
             "tokens_per_s": batch * len(run["steps"]) / sum(run["steps"]),
-            "mbu_percent": 100 * read_bytes / tpot / bandwidth, "decode_steps": len(run["steps"])}
+            "mbu_percent": 100 * read_bytes / tpot / bandwidth,
+            "mbu_matmul_percent": 100 * matmul_bytes / tpot / bandwidth, "decode_steps": len(run["steps"])}
 
 
 def build(src: str, root: str, n_layer: int, n_embd: int, vocab: int, sequence_len: int):
@@ -143,6 +146,10 @@ def main() -> None:
         engine, theirs, ours, tok, cfg = build(args.nanochat, root, n_layer, n_embd, args.vocab, args.sequence_len)
         prompt = ([tok.bos_id] + tok.encode(PARAGRAPH * (args.prompt // 10)))[:args.prompt]
         weights = sum(t.numel() * t.element_size() for t in theirs.parameters())
+        # what a decode step really reads of them: the products' weights (nanochat's num_matmul_params), not the
+        # embedding tables, of which it reads one row a token
+        matmul = sum(m.weight.numel() * m.weight.element_size() for m in theirs.modules()
+                     if isinstance(m, torch.nn.Linear))
         context = args.prompt + args.decode // 2
         bandwidth = copy_bandwidth()
         print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s); "
@@ -152,19 +159,22 @@ def main() -> None:
         time_nanochat(engine, prompt, 1, 4)                       # warm-up both
         time_ours(ours, tok, prompt, 1, 4)
         rows = []
-        print(f"{'batch':>6} {'engine':>9} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>9} {'(other)':>9} {'MBU %':>7}")
+        print(f"{'batch':>6} {'engine':>9} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>9} {'(other)':>9} {'MBU %':>7} "
+              f"{'(matmul)':>8}")
         for batch in args.batch_sizes:
             read = weights + batch * kv_read_bytes(cfg, context)
+            read_matmul = matmul + batch * kv_read_bytes(cfg, context)
             runs = {"nanochat": [], "ours": []}
             for name in ("nanochat", "ours", "ours", "nanochat"):
                 run = (time_nanochat(engine, prompt, batch, args.decode) if name == "nanochat"
                        else time_ours(ours, tok, prompt, batch, args.decode))
-                runs[name].append(summary(run, batch, read, bandwidth))
+                runs[name].append(summary(run, batch, read, read_matmul, bandwidth))
             for name, rs in runs.items():
                 best, other = max(rs, key=lambda r: r["tokens_per_s"]), min(r["tokens_per_s"] for r in rs)
                 rows.append({"batch": batch, "engine": name, **best, "other_tokens_per_s": other})
                 print(f"{batch:6} {name:>9} {best['ttft_ms']:9.1f} {best['tpot_ms']:9.2f} "
-                      f"{best['tokens_per_s']:9.1f} {other:9.1f} {best['mbu_percent']:7.1f}")
+                      f"{best['tokens_per_s']:9.1f} {other:9.1f} {best['mbu_percent']:7.1f} "
+                      f"{best['mbu_matmul_percent']:8.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "bandwidth": bandwidth,

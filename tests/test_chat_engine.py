@@ -397,17 +397,20 @@ def test_a_continuation_that_cannot_be_taken_is_refused(nanochat_model, tokenize
             engine.add_request([1, 2], params, resume=resume)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["nanochat", "modern", "gpt2"])
-def test_engine_runs_its_linear_layers_packed_and_generates_what_torch_linear_does(arch, tokenizer, monkeypatch):
+def test_engine_runs_its_linear_layers_packed_and_generates_what_torch_linear_does(arch, dtype, tokenizer,
+                                                                                   monkeypatch):
     """On the CPU the engine packs its model's large linear layers for oneDNN (here every layer: the tiny
-    model's are all under packed.MIN_WEIGHT); greedy and seeded streams, batched (products of more and of
-    fewer than packed.MIN_ROWS rows as the batch drains), give the tokens of the same model on F.linear."""
+    model's are all under packed.MIN_WEIGHT), in fp32 and in bf16; greedy and seeded streams, batched (products
+    of more and of fewer than packed.MIN_ROWS rows as the batch drains), give the tokens of the same model on
+    F.linear."""
     import core.chat.packed as packed_module
     from core.chat.packed import PackedLinear
 
     monkeypatch.setattr(packed_module, "MIN_WEIGHT", 0)
-    fast = tiny_model(arch, tokenizer, seed=6, std=0.3)
-    plain = tiny_model(arch, tokenizer, seed=6, std=0.3)
+    fast = tiny_model(arch, tokenizer, seed=6, std=0.3).to(getattr(torch, dtype))
+    plain = tiny_model(arch, tokenizer, seed=6, std=0.3).to(getattr(torch, dtype))
     a = LLMEngine(fast, tokenizer, max_rows=8)
     b = LLMEngine(plain, tokenizer, max_rows=8, packed_linear=False)
     assert (a.linear, b.linear) == ("onednn-packed", "torch")

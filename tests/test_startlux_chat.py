@@ -106,6 +106,7 @@ def test_serve_with_a_chat_checkpoint_runs_a_copy_of_the_config_that_serves_it(t
 
     ran = []
     monkeypatch.setattr(cli.os, "execv", lambda path, argv: ran.append(argv))
+    monkeypatch.setattr(cli.os, "environ", dict(os.environ))     # the Ray settings it sets stay in this test
     cli.main(["serve", "serve_config.cpu.yaml", "--chat-checkpoint", chat_checkpoint])
     argv = ran[0]
     assert argv[1] == "run" and argv[2] != "serve_config.cpu.yaml"

@@ -11,10 +11,11 @@ vLLM's CPU backend does through its own oneDNN handles. Here it is applied witho
 checkpoints, tied weights and `state_dict` are unchanged) and keeps the packed copy beside them (that
 layer's weight memory twice).
 
-A product that needs gradients, another dtype or another device goes through `F.linear` as before, and so
-do the two cases where the packed product is slower: a layer whose weight has fewer than MIN_WEIGHT elements
-is not packed (oneDNN's cost per call outweighs the gain), and a product of fewer than MIN_ROWS or more than
-MAX_ROWS rows uses the original weight (at 1-2 rows MKL reads the weight at the memory's full rate; a
+fp32 and bf16 weights are packed (bf16 runs on AMX or AVX-512 BF16 where the CPU has them). A product that needs
+gradients, another dtype or another device goes through `F.linear` as before, and so do the two cases where
+the packed product is slower: a layer whose weight has fewer than MIN_WEIGHT elements is not packed (oneDNN's
+cost per call outweighs the gain), and an fp32 product of fewer than MIN_ROWS or more than MAX_ROWS rows uses
+the original weight (at 1-2 rows MKL reads the weight at the memory's full rate; a
 prefill's hundreds of rows gain nothing). `python -m bench.engine_profile --compare-linear` measures both.
 """
 from __future__ import annotations
@@ -25,8 +26,11 @@ import torch.nn.functional as F
 
 BATCH_HINT = 32          # the rows oneDNN tunes the packed layout for; every batch size can use it
 MIN_WEIGHT = 1 << 19     # elements (2 MiB of fp32): smaller layers stay as they are
-MIN_ROWS = 4             # products of fewer rows use the original weight,
+MIN_ROWS = 4             # fp32 products of fewer rows use the original weight,
 MAX_ROWS = 64            # and so do products of more (prefill): there MKL's product is as fast or faster
+# bf16 products have no such range: oneDNN computes the original weight's too, and the packed one was faster at
+# 1-256 rows (bench/README.md, "The engine in the hardware's precision")
+ROWS = {torch.float32: (MIN_ROWS, MAX_ROWS), torch.bfloat16: (1, 1 << 62)}
 
 
 def available() -> bool:
@@ -49,14 +53,15 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.size(-1)
-        if (x.device.type != "cpu" or x.dtype != self.packed.dtype or not MIN_ROWS <= rows <= MAX_ROWS
+        least, most = ROWS[self.packed.dtype] if self.packed.dtype in ROWS else (MIN_ROWS, MAX_ROWS)
+        if (x.device.type != "cpu" or x.dtype != self.packed.dtype or not least <= rows <= most
                 or (torch.is_grad_enabled() and self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def pack_linears(model: nn.Module, min_weight: int | None = None) -> int:
-    """Replace every fp32 nn.Linear of `model` (on the CPU) with at least `min_weight` weight elements (default
+    """Replace every fp32 or bf16 nn.Linear of `model` (on the CPU) with at least `min_weight` weight elements (default
     MIN_WEIGHT, read when called) by a PackedLinear, in place -> how many. Raises what oneDNN raises if it
     cannot pack (the caller falls back to torch's own path)."""
     if not available():
@@ -64,7 +69,7 @@ def pack_linears(model: nn.Module, min_weight: int | None = None) -> int:
     least = MIN_WEIGHT if min_weight is None else min_weight
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear and child.weight.device.type == "cpu"
-               and child.weight.dtype == torch.float32 and child.weight.numel() >= least]
+               and child.weight.dtype in ROWS and child.weight.numel() >= least]
     packed = {}
     for parent, name, child in targets:          # a module listed under two parents is packed once
         if id(child) not in packed:

@@ -68,9 +68,14 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
                     window: int | None) -> torch.Tensor:
     """q (B, H, T, D), the pass's new k/v (B, Hkv, T, D) -> (B, H, T, D): the new keys and values written into
     the cache, then each query over its row's keys up to its own position (from position - window on)."""
-    keys, values = cache.write(layer, k, v)
+    mod = kernel() if q.device.type == "cpu" else None
+    if mod is not None and k.dtype == cache.cache.k.dtype:
+        keys, values = cache.cache.k[layer], cache.cache.v[layer]
+        mod.write_kv(keys, values, k.contiguous(), v.contiguous(), cache.rows, cache.positions)
+    else:
+        keys, values = cache.write(layer, k, v)
     B, H, T, D = q.shape
-    if T == 1 and q.device.type == "cpu" and q.dtype == keys.dtype and (mod := kernel()) is not None:
+    if T == 1 and mod is not None and q.dtype == keys.dtype:
         out = mod.decode_attention(q.reshape(B, H, D).contiguous(), keys, values, cache.rows,
                                    cache.positions[:, 0], -1 if window is None else window, D ** -0.5)
         return out.view(B, H, 1, D)

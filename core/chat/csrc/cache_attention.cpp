@@ -90,6 +90,34 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return out;
 }
 
+// The pass's new keys and values into the cache: k, v (B, Hkv, T, D) contiguous -> K, V one layer (R, Hkv, C, D)
+// at K[rows[b], h, positions[b, t]]. A copy of each head vector; torch's indexed copies cost ~100 us a call here.
+void write_kv(torch::Tensor K, torch::Tensor V, torch::Tensor k, torch::Tensor v, torch::Tensor rows,
+              torch::Tensor positions) {
+  TORCH_CHECK(K.is_contiguous() && V.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "write_kv: contiguous");
+  TORCH_CHECK(K.scalar_type() == k.scalar_type() && V.scalar_type() == v.scalar_type(), "write_kv: one dtype");
+  const int64_t B = k.size(0), H = k.size(1), T = k.size(2), D = k.size(3), C = K.size(2);
+  TORCH_CHECK(K.size(1) == H && K.size(3) == D && positions.size(0) == B && positions.size(1) == T, "write_kv: shapes");
+  auto rows_c = rows.to(torch::kLong).contiguous();
+  auto pos_c = positions.to(torch::kLong).contiguous();
+  const int64_t* r = rows_c.data_ptr<int64_t>();
+  const int64_t* p = pos_c.data_ptr<int64_t>();
+  const size_t bytes = D * k.element_size();
+  char* Kd = static_cast<char*>(K.data_ptr());
+  char* Vd = static_cast<char*>(V.data_ptr());
+  const char* kd = static_cast<const char*>(k.data_ptr());
+  const char* vd = static_cast<const char*>(v.data_ptr());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t dst = ((r[b] * H + h) * C + p[b * T + t]) * bytes;
+        const int64_t src = ((b * H + h) * T + t) * bytes;
+        std::memcpy(Kd + dst, kd + src, bytes);
+        std::memcpy(Vd + dst, vd + src, bytes);
+      }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over KV-cache rows in place");
+  m.def("write_kv", &write_kv, "new keys and values into KV-cache rows");
 }

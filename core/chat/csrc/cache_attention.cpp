@@ -44,7 +44,25 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* 
       for (int64_t d = 0; d < D; ++d) qf[d] = as_float(qr[d]) * scale;
       scores.resize(n);
       float top = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) {
+      // four keys at a time: four independent sums keep several cache lines in flight (one key's dot product
+      // alone waits on memory), and the keys a few blocks ahead are prefetched
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4) {
+        const scalar_t* k0 = kr + j * D;
+        __builtin_prefetch(k0 + 16 * D);
+        __builtin_prefetch(k0 + 18 * D);
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qf[d];
+          s0 += qd * as_float(k0[d]);
+          s1 += qd * as_float(k0[D + d]);
+          s2 += qd * as_float(k0[2 * D + d]);
+          s3 += qd * as_float(k0[3 * D + d]);
+        }
+        scores[j] = s0, scores[j + 1] = s1, scores[j + 2] = s2, scores[j + 3] = s3;
+        top = std::max(top, std::max(std::max(s0, s1), std::max(s2, s3)));
+      }
+      for (; j < n; ++j) {
         const scalar_t* kj = kr + j * D;
         float s = 0.f;
         for (int64_t d = 0; d < D; ++d) s += qf[d] * as_float(kj[d]);
@@ -59,6 +77,7 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* 
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
         const scalar_t* vj = vr + j * D;
+        __builtin_prefetch(vj + 8 * D);
         const float p = scores[j];
         for (int64_t d = 0; d < D; ++d) acc[d] += p * as_float(vj[d]);
       }

@@ -262,16 +262,16 @@ def check_answers(url: str) -> None:
         events = [line for line in s.iter_lines() if line.startswith("data: ")]
     assert len(events) > 3 and events[-1] == "data: [DONE]"
     chat = httpx.get(f"{url}/debug/stats", timeout=10).json()["chat"]
-    # the engine in its own process; the demo model's linear layers are all under packed.MIN_WEIGHT, where
-    # torch's own product is the faster (a larger model's report "onednn-packed": tests/test_chat_engine.py)
-    assert (chat["engine"], chat["linear"]) == ("ProcessEngine", "torch")
-    # decode attention in the CPU kernel (a failed build would leave SDPA, slower: not silently), in the dtype
-    # chat_dtype auto picks on this machine
+    # the engine in its own process, in the dtype chat_dtype auto picks on this machine; in fp32 the demo model's
+    # linear layers are all under packed.MIN_WEIGHT, where torch's own product is the faster, in bf16 every
+    # layer is packed; decode attention in the CPU kernel (a failed build would leave SDPA, slower: not silently)
     import torch
 
     from core.chat.weights import chat_dtype
     want = str(chat_dtype("auto", torch.device("cpu"))[0]).removeprefix("torch.")
-    assert (chat["attention"], chat["dtype"]) == ("cpu-kernel", want), chat
+    linear = "onednn-packed" if want == "bfloat16" else "torch"
+    assert (chat["engine"], chat["linear"], chat["attention"], chat["dtype"]) == \
+        ("ProcessEngine", linear, "cpu-kernel", want), chat
     # `startlux chat`, as a user runs it against the service (two turns through HAProxy, greedy)
     out = subprocess.run([str(Path(sys.executable).parent / "startlux"), "chat", "--url", url, "--temperature", "0"],
                          input="What is the capital of France?\nAnd of Italy?\n\n", capture_output=True, text=True,

@@ -25,6 +25,9 @@ static inline float as_float(c10::BFloat16 x) {
   return f;
 }
 
+// how far ahead of the key being read its successors are fetched towards the core (into L2)
+constexpr int64_t PREFETCH_KEYS = 32;
+
 template <typename scalar_t>
 static void decode_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out,
                           const int64_t* rows, const int64_t* positions, int64_t B, int64_t H, int64_t Hkv,
@@ -49,8 +52,8 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* 
       int64_t j = 0;
       for (; j + 4 <= n; j += 4) {
         const scalar_t* k0 = kr + j * D;
-        __builtin_prefetch(k0 + 16 * D);
-        __builtin_prefetch(k0 + 18 * D);
+        for (int64_t a = 0; a < 4 * D * (int64_t)sizeof(scalar_t); a += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(k0 + PREFETCH_KEYS * D) + a, 0, 2);
         float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
         for (int64_t d = 0; d < D; ++d) {
           const float qd = qf[d];
@@ -77,7 +80,8 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* 
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
         const scalar_t* vj = vr + j * D;
-        __builtin_prefetch(vj + 8 * D);
+        for (int64_t a = 0; a < D * (int64_t)sizeof(scalar_t); a += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(vj + PREFETCH_KEYS * D) + a, 0, 2);
         const float p = scores[j];
         for (int64_t d = 0; d < D; ++d) acc[d] += p * as_float(vj[d]);
       }

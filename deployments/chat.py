@@ -24,7 +24,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from core.chat import ChatPrompter, PromptError, load_chat_defaults, load_chat_tokenizer
 from core.chat.engine_process import start_engine
-from core.chat.protocol import (ChatModelInfo, EngineDied, EngineError, EngineFull, EngineStats, GenerateRequest,
+from core.chat.protocol import (ENGINE_STOPPED_CODE, ChatModelInfo, EngineDied, EngineError, EngineFull, EngineStats, GenerateRequest,
                                 SamplingError, Start, StreamError, TokenEvent, encode_message)
 
 from .deltas import deltas
@@ -97,13 +97,14 @@ def refusal(e: Exception) -> StreamError:
     if isinstance(e, EngineFull):
         return StreamError(f"the chat model is at capacity: {e}", "overloaded_error")
     if isinstance(e, EngineDied):
-        return StreamError("the chat engine stopped; retry the request", "server_error")
+        return StreamError("the chat engine stopped; retry the request", "server_error", code=ENGINE_STOPPED_CODE)
     return StreamError(str(e), param=getattr(e, "param", None))
 
 
 REFUSED = (PromptError, SamplingError, EngineError, EngineFull, EngineDied)
 MODEL_FAILED = StreamError("the model failed while generating", "server_error")
-ENGINE_STOPPED = StreamError("the chat engine stopped while generating; retry the request", "server_error")
+ENGINE_STOPPED = StreamError("the chat engine stopped while generating; retry the request", "server_error",
+                             code=ENGINE_STOPPED_CODE)
 
 
 async def merged(streams: list) -> AsyncIterator[tuple[int, list[TokenEvent]]]:

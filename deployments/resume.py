@@ -15,13 +15,18 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from core.chat.protocol import GenerateRequest, StreamError, decode_message
+from core.chat.protocol import ENGINE_STOPPED_CODE, GenerateRequest, StreamError, decode_message
 
 from .errors import APIError, error
 
 logger = logging.getLogger(__name__)
 
-REPLICA_LOST = (RayActorError, ActorUnavailableError)
+class EngineStopped(Exception):
+    """A chat replica answered that its engine has stopped: the replica is going down (its process, or Ray
+    killing it, took the engine first), so the call goes to another one as for a lost replica."""
+
+
+REPLICA_LOST = (RayActorError, ActorUnavailableError, EngineStopped)
 
 
 class RetryPolicy:
@@ -66,10 +71,13 @@ class ChatStream:
         self.tokens: list[int] = []        # token ids received, in order (the one sample's)
         self.ended = False                 # a finish or an error was received
         self.continued = 0                 # times the generation moved to another replica
+        self.started = False               # the first batch was delivered
 
     async def start(self) -> list:
         """The first batch of events; the start is retried while no replica answers."""
-        return await self.retry(lambda: self._open(self.request), "chat")
+        batch = await self.retry(lambda: self._open(self.request), "chat")
+        self.started = True
+        return batch
 
     async def _open(self, request: GenerateRequest) -> list:
         self.cancel()
@@ -77,10 +85,14 @@ class ChatStream:
         return self._record(await self.stream.__anext__())
 
     def _record(self, message: bytes) -> list:
-        """A message of the chat deployment -> its records (Delta | StreamError), the tokens noted."""
+        """A message of the chat deployment -> its records (Delta | StreamError), the tokens noted. A replica's
+        engine that stopped raises EngineStopped (a message of that error alone) where the stream can go on
+        elsewhere: before anything was delivered, or when it is resumable."""
         batch = decode_message(message)
         for ev in batch:
             if isinstance(ev, StreamError):
+                if ev.code == ENGINE_STOPPED_CODE and (self.resumable or not self.started) and len(batch) == 1:
+                    raise EngineStopped(ev.message)
                 self.ended = True
                 continue
             self.tokens += ev.tokens

@@ -6,7 +6,7 @@ import pytest
 
 from ray.exceptions import ActorUnavailableError
 
-from core.chat.protocol import Delta, GenerateRequest, SamplingParams, encode_message
+from core.chat.protocol import Delta, GenerateRequest, SamplingParams, StreamError, encode_message
 from deployments.admission import Admission
 from deployments.errors import APIError
 from deployments.resume import ChatStream, RetryPolicy
@@ -137,6 +137,36 @@ def test_a_lost_replica_is_continued_from_the_tokens_received():
     assert handle.payloads[0].resume == ()
     assert handle.payloads[1].resume == handle.payloads[2].resume == (5, 6, 7)
     assert handle.payloads[2].params == SamplingParams(seed=1) and stream.continued == 1 and moved == [1]
+
+
+def test_a_replica_whose_engine_stopped_counts_as_lost():
+    """The replica's engine died under the stream (Ray killing the replica can take its child first): the
+    replica's last message says so, and the stream goes on on another replica as for a lost one; a replica
+    that answers a new stream so is passed over too. A stream that cannot be continued gets the error."""
+    from core.chat.protocol import EngineDied
+    from deployments.chat import ENGINE_STOPPED, refusal
+
+    handle = ScriptedHandle([
+        [[tok(5), tok(6)], [ENGINE_STOPPED]],       # its engine stopped after two tokens
+        [[refusal(EngineDied("gone"))]],            # the retry lands on that replica: a refusal, not an answer
+        [[tok(7)], [tok(8, "length")]],             # another replica finishes it
+    ])
+
+    async def main(stream):
+        batches = [await stream.start()]
+        while True:
+            try:
+                batches.append(await stream.__anext__())
+            except StopAsyncIteration:
+                return batches
+
+    stream = ChatStream(handle, request(seed=2), RetryPolicy(5.0), True)
+    batches = asyncio.run(main(stream))
+    assert [t for b in batches for ev in b for t in ev.tokens] == [5, 6, 7, 8] and stream.continued == 1
+    assert handle.payloads[1].resume == handle.payloads[2].resume == (5, 6)
+    assert not any(isinstance(ev, StreamError) for b in batches for ev in b)
+    plain = ChatStream(ScriptedHandle([[[tok(5)], [ENGINE_STOPPED]]]), request(), RetryPolicy(5.0), False)
+    assert asyncio.run(main(plain))[-1] == [ENGINE_STOPPED]        # n > 1: not resumable, the error goes out
 
 
 def test_a_stream_that_cannot_be_continued_raises():

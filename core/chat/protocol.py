@@ -242,6 +242,11 @@ class TokenEvent(msgspec.Struct, frozen=True, array_like=True):
         return self.closes or bool(self.text and self.segment == "text")
 
 
+# StreamError.code of a chat replica whose engine has stopped (the replica is going down with it): the Ingress
+# treats it as a lost replica and continues the stream on another one (deployments/resume.py)
+ENGINE_STOPPED_CODE = "engine_stopped"
+
+
 class StreamError(msgspec.Struct, frozen=True, array_like=True, tag_field="record", tag="error"):
     """A generation that failed in a way the client must be told: OpenAI's error fields."""
 

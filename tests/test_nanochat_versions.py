@@ -134,3 +134,15 @@ def test_a_vocabulary_that_is_neither_its_size_nor_padded_is_refused(tmp_path):
         state["transformer.wte.weight"] = state["transformer.wte.weight"][:310]
     with pytest.raises(CheckpointError, match="310 rows.*300 or, padded to a multiple of 64, 320"):
         convert_nanochat(_variant(tmp_path, wrong), str(tmp_path / "out"))
+
+
+def test_short_windows_are_nanochats():
+    """Each version's short window for a context, as its gpt.py writes it."""
+    from core.chat.nanochat_versions import VERSIONS
+
+    by_name = {v.name: v for v in VERSIONS}
+    for seq in (512, 1000, 1027, 1028, 2048):
+        assert by_name["lambdas-and-windows"].short_window(seq) == seq // 2
+        assert by_name["autoresearch"].short_window(seq) == -(-seq // 3 // 128) * 128
+        assert by_name["smear-and-backout"].short_window(seq) == -(-seq // 4 // 128) * 128
+    assert by_name["smear-and-backout"].short_window(1027) == 384 and by_name["autoresearch"].short_window(2048) == 768

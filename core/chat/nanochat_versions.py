@@ -8,7 +8,6 @@ converter's options override it. docs/checkpoints.md has the same table for user
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +32,10 @@ class Version:
     short_rounded: bool = False     # ... rounded up to a multiple of 128 (FA3's tile)
 
     def short_window(self, sequence_len: int) -> int:
+        """As nanochat's gpt.py computes it: sequence_len // 2, or (since 2026-03-09) sequence_len / 3 or / 4
+        rounded up to a multiple of 128 (its `-(-long_window // 4 // 128) * 128`)."""
         if self.short_rounded:
-            return math.ceil(sequence_len / self.short_divisor / 128) * 128
+            return -(-sequence_len // self.short_divisor // 128) * 128
         return sequence_len // self.short_divisor
 
 

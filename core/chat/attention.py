@@ -7,8 +7,10 @@ positions; then:
   in the cache, from the first key the layer's window lets the query see to its own position. Nothing is
   gathered, nothing is padded to the longest row, no mask is built; a row's result does not depend on its batch.
   The kernel is compiled once per machine on first use (torch's cpp_extension, into its extensions cache);
-- everything else (prefill chunks, CUDA, a machine where the kernel cannot be built): torch's SDPA over the
-  rows' keys (a view when the rows are contiguous, a gathered copy otherwise) under the pass's mask.
+- prefill on a CPU (where the kernel is built): torch's SDPA once per row, over a view of that row's keys (the
+  causal pass from position 0, bottom-right-aligned after a cached prefix): nothing gathered or padded;
+- everything else (windowed layers' prefill, CUDA, a machine where the kernel cannot be built): torch's SDPA
+  over the rows' keys (a view when the rows are contiguous, a gathered copy otherwise) under the pass's mask.
 
 `path()` says which one decode takes here ("cpu-kernel" or "sdpa"); the engine reports it in its stats, and a
 failed build logs why, once.
@@ -23,6 +25,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from .kv_cache import CacheBatch
 
@@ -79,7 +82,27 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         out = mod.decode_attention(q.reshape(B, H, D).contiguous(), keys, values, cache.rows,
                                    cache.positions[:, 0], -1 if window is None else window, D ** -0.5)
         return out.view(B, H, 1, D)
+    if mod is not None and T > 1 and window is None and cache.starts is not None \
+            and max(cache.starts) + T <= cache.length:
+        return prefill_in_place(q, keys, values, cache)
     keys, values = cache.read(keys, values)
     lo = cache.window_start(window)       # a windowed layer reads only the keys its queries can see
     return F.scaled_dot_product_attention(q, keys[:, :, lo:].to(q.dtype), values[:, :, lo:].to(q.dtype),
                                           attn_mask=cache.mask_for(window), enable_gqa=H != k.size(1))
+
+
+def prefill_in_place(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache: CacheBatch) -> torch.Tensor:
+    """A prefill pass's queries, each row over its own cache row (a view: nothing gathered): from position 0 the
+    causal pass, after a cached prefix the bottom-right-aligned causal one (query t sees keys up to start + t).
+    A row's padded queries see its padded keys only; their outputs are never used."""
+    B, H, T, D = q.shape
+    gqa = H != keys.size(1)
+    out = torch.empty_like(q)
+    for b, (row, start) in enumerate(zip(cache.row_list, cache.starts)):
+        k, v = keys[row, :, :start + T].unsqueeze(0), values[row, :, :start + T].unsqueeze(0)
+        if start == 0:
+            out[b:b + 1] = F.scaled_dot_product_attention(q[b:b + 1], k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out[b:b + 1] = F.scaled_dot_product_attention(q[b:b + 1], k, v, attn_mask=causal_lower_right(T, start + T),
+                                                          enable_gqa=gqa)
+    return out

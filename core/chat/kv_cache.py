@@ -76,6 +76,8 @@ class CacheBatch:
     previous: torch.Tensor | None = None
     starts_at_zero: bool = True
     first_position: int = 0       # the smallest position of the pass: a windowed layer reads no key before
+    starts: list[int] | None = None   # each row's first position (build's `start`), for per-row attention
+    row_list: list[int] | None = None   # the rows, as given
     _windowed: dict = field(default_factory=dict, repr=False)      # first_position - window
     _slots: tuple | None = field(default=None, repr=False)        # write()'s indices, for the cache's shape
 
@@ -96,7 +98,7 @@ class CacheBatch:
         mask = torch.arange(end, device=device)[None, None, :] <= positions[:, :, None]
         prev = torch.tensor(previous, device=device) if previous is not None else None
         return cls(cache, rows_t, slice(rows[0], rows[0] + len(rows)) if contiguous else None, positions,
-                   mask[:, None], end, prev, max(start) == 0, min(start))
+                   mask[:, None], end, prev, max(start) == 0, min(start), list(start), list(rows))
 
     def window_start(self, window: int | None) -> int:
         """The first key any query of this pass can see in a layer of `window`: the layer reads from there."""

@@ -179,6 +179,8 @@ def test_async_engine_streams_and_aborts(nanochat_model, tokenizer):
 class ScriptedModel(torch.nn.Module):
     """A stand-in model that emits a fixed token script (greedy), for tool and stop-string tests."""
 
+    needs_previous = False      # it reads no previous token (ChatNetwork.needs_previous)
+
     def __init__(self, config, script):
         super().__init__()
         self.config, self.script = config, script

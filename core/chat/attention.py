@@ -40,9 +40,10 @@ _tried = False
 def kernel():
     """The compiled decode kernel, or None where it cannot be built (then one warning says why)."""
     global _kernel, _tried
+    if _tried:              # every layer of every pass asks: no lock once the build was tried
+        return _kernel
     with _lock:
         if not _tried:
-            _tried = True
             try:
                 from torch.utils.cpp_extension import load
 
@@ -60,6 +61,7 @@ def kernel():
             except Exception as e:  # noqa: BLE001 - any failure leaves SDPA, which always works
                 logger.warning("decode attention stays on torch's SDPA (slower once rows are scattered or long): "
                                "building %s failed (%s: %s)", _SOURCE, type(e).__name__, e)
+            _tried = True           # after the attempt: a thread that sees it sees its result
     return _kernel
 
 

@@ -49,7 +49,7 @@ class DecodeGraphs:
         ids, rows, pos, previous = inputs[0].view(B, 1), inputs[1], inputs[2].view(B, 1), inputs[3]
         mask = (self.arange[:L][None, None, :] <= pos[:, :, None])[:, None]      # (B, 1, 1, L)
         # sliding-window masks are made from `pos` inside the pass, so the graph records them too
-        return self.model(ids, CacheBatch(self.cache, rows, None, pos, mask, L, previous, False), last=self.zeros[:B])
+        return self.model(ids, CacheBatch(self.cache, rows, None, pos, mask, L, previous), last=self.zeros[:B])
 
     def _record(self, B: int, L: int) -> _Graph:
         inputs = torch.zeros(4, B, dtype=torch.long, device=self.device)
@@ -65,9 +65,10 @@ class DecodeGraphs:
             out = self._forward(inputs, B, L)
         return _Graph(graph, inputs, out)
 
-    def run(self, tokens: list[int], rows: list[int], positions: list[int], previous: list[int]) -> torch.Tensor:
+    def run(self, tokens: list[int], rows: list[int], positions: list[int],
+            previous: list[int] | None = None) -> torch.Tensor:
         """Logits (n, vocab) of one decode pass; valid until the next call. previous: each row's token before its
-        pending one (CacheBatch.previous)."""
+        pending one (CacheBatch.previous), for a model that reads it."""
         n = len(tokens)
         key = (_ceil(self.batch_buckets, n), _ceil(self.len_buckets, max(positions) + 1))
         g = self.graphs.get(key)
@@ -78,6 +79,6 @@ class DecodeGraphs:
                 raise GraphCaptureError(f"recording the decode graph for {key} failed: {e!r}") from e
         pad = key[0] - n
         g.inputs.copy_(torch.tensor([tokens + [0] * pad, rows + [self.scratch_row] * pad, positions + [0] * pad,
-                                     previous + [-1] * pad]))
+                                     (previous or [-1] * n) + [-1] * pad]))
         g.graph.replay()
         return g.out[:n]

@@ -221,7 +221,8 @@ class LLMEngine:
             ids[j, :take] = torch.tensor(req.feed[req.prefilled:req.prefilled + take])
         rows = [req.samples[0].row for req, _ in batch]
         start = [req.prefilled for req, _ in batch]
-        previous = [req.feed[p - 1] if p else -1 for req, p in zip((r for r, _ in batch), start)]
+        previous = ([req.feed[p - 1] if p else -1 for req, p in zip((r for r, _ in batch), start)]
+                    if self.model.needs_previous else None)
         # right padding: a padded position lies beyond its row's prompt, is masked for that row's queries and is
         # overwritten before the row ever reaches it.
         cb = CacheBatch.build(self.cache, rows, start, T, previous)
@@ -284,7 +285,7 @@ class LLMEngine:
 
     def _decode(self, decoding: list[tuple[Request, Sample]], events: list[TokenEvent]) -> None:
         rows, positions = [s.row for _, s in decoding], [s.position for _, s in decoding]
-        previous = [req.token_at(s, s.position - 1) for req, s in decoding]
+        previous = [req.token_at(s, s.position - 1) for req, s in decoding] if self.model.needs_previous else None
         logits = None
         if self.graphs is not None:
             try:

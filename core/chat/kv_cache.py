@@ -68,18 +68,15 @@ class CacheBatch:
     rows: torch.Tensor            # (B,) row of each batch entry
     row_slice: slice | None       # the same rows as a slice when they are contiguous and ascending (no gather)
     positions: torch.Tensor       # (B, T) absolute position of each input token
-    mask: torch.Tensor            # (B, 1, T, L) True where a query may attend
+    mask: torch.Tensor | None     # (B, 1, T, L) True where a query may attend; None: made when a path needs it
     length: int                   # L: keys read per row
     # (B,) the token just before each row's first input, -1 at position 0: a model that mixes in the previous
     # token (nanochat's smear) reads it here at a row's first new position. None: not given, which such a model
     # accepts only when every row starts at 0 (`starts_at_zero`).
     previous: torch.Tensor | None = None
-    starts_at_zero: bool = True
-    first_position: int = 0       # the smallest position of the pass: a windowed layer reads no key before
-    starts: list[int] | None = None   # each row's first position (build's `start`), for per-row attention
-    row_list: list[int] | None = None   # the rows, as given
-    _windowed: dict = field(default_factory=dict, repr=False)      # first_position - window
-    _slots: tuple | None = field(default=None, repr=False)        # write()'s indices, for the cache's shape
+    starts: list[int] | None = None       # each row's first position (build's `start`); None: not known here
+    row_list: list[int] | None = None     # the rows, as given
+    _windowed: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, cache: KVCache, rows: list[int], start: list[int], T: int,
@@ -95,10 +92,18 @@ class CacheBatch:
         # clamped onto the last slot, which lies beyond every real token of the row and is overwritten before use.
         positions = torch.tensor(start, device=device)[:, None] + torch.arange(T, device=device)[None, :]
         positions = positions.clamp_(max=cache.max_len - 1)
-        mask = torch.arange(end, device=device)[None, None, :] <= positions[:, :, None]
         prev = torch.tensor(previous, device=device) if previous is not None else None
-        return cls(cache, rows_t, slice(rows[0], rows[0] + len(rows)) if contiguous else None, positions,
-                   mask[:, None], end, prev, max(start) == 0, min(start), list(start), list(rows))
+        return cls(cache, rows_t, slice(rows[0], rows[0] + len(rows)) if contiguous else None, positions, None,
+                   end, prev, list(start), list(rows))
+
+    @property
+    def starts_at_zero(self) -> bool:
+        return self.starts is not None and max(self.starts) == 0
+
+    @property
+    def first_position(self) -> int:
+        """The smallest position of the pass: a windowed layer reads no key before first_position - window."""
+        return min(self.starts) if self.starts is not None else 0
 
     def window_start(self, window: int | None) -> int:
         """The first key any query of this pass can see in a layer of `window`: the layer reads from there."""
@@ -106,7 +111,11 @@ class CacheBatch:
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The mask of a layer whose queries see `window` earlier positions (None: all), over the keys from
-        window_start(window) on; made once per pass."""
+        window_start(window) on; made once per pass, when a path first needs it (decode through the CPU kernel
+        needs none)."""
+        if self.mask is None:
+            keys = torch.arange(self.length, device=self.positions.device)
+            self.mask = (keys[None, None, :] <= self.positions[:, :, None])[:, None]
         if window is None:
             return self.mask
         m = self._windowed.get(window)
@@ -118,17 +127,11 @@ class CacheBatch:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: (B, Hkv, T, D) for the new tokens, written at each row's positions -> the layer's whole cache
-        (rows, Hkv, capacity, D), keys and values. One index_copy_ a tensor, into the layer seen as a list of
-        head vectors, at indices computed once per pass (an advanced-index assignment cost ~5x more a call)."""
+        (rows, Hkv, capacity, D), keys and values (where the CPU kernel's write_kv is not used: attention.py)."""
         K, V = self.cache.k[layer], self.cache.v[layer]
-        if self._slots is None or self._slots[0] != K.shape:
-            R, H, C, D = K.shape
-            slots = (self.rows[:, None, None] * H + torch.arange(H, device=K.device)[None, :, None]) * C \
-                + self.positions[:, None, :]
-            self._slots = (K.shape, slots.reshape(-1))
-        D = K.shape[-1]
-        K.view(-1, D).index_copy_(0, self._slots[1], k.reshape(-1, D).to(K.dtype))
-        V.view(-1, D).index_copy_(0, self._slots[1], v.reshape(-1, D).to(V.dtype))
+        idx = (self.rows[:, None], slice(None), self.positions)
+        K[idx] = k.transpose(1, 2).to(K.dtype)
+        V[idx] = v.transpose(1, 2).to(V.dtype)
         return K, V
 
     def read(self, K: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

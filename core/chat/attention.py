@@ -6,7 +6,10 @@ positions; then:
 - decode on a CPU (one new token a row): csrc/cache_attention.cpp reads each row's keys and values where they lie
   in the cache, from the first key the layer's window lets the query see to its own position. Nothing is
   gathered, nothing is padded to the longest row, no mask is built; a row's result does not depend on its batch.
-  The kernel is compiled once per machine on first use (torch's cpp_extension, into its extensions cache);
+  Rows whose first keys are copies of one row's (a prefix-cache hit, n samples of a prompt: the cache tracks
+  them) read that prefix once for all of them, from the row they copy (cascade attention), with the same bits
+  as alone. The kernel is compiled once per machine on first use (torch's cpp_extension, into its extensions
+  cache);
 - prefill on a CPU (where the kernel is built): torch's SDPA once per row, over a view of that row's keys (the
   causal pass from position 0, bottom-right-aligned after a cached prefix): nothing gathered or padded;
 - everything else (windowed layers' prefill, CUDA, a machine where the kernel cannot be built): torch's SDPA
@@ -35,6 +38,7 @@ _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cache_attention.cpp")
 _lock = threading.Lock()
 _kernel: object | None = None
 _tried = False
+_NONE = torch.empty(0, dtype=torch.long)      # no shared prefixes
 
 
 def kernel():
@@ -81,8 +85,10 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         keys, values = cache.write(layer, k, v)
     B, H, T, D = q.shape
     if T == 1 and mod is not None and q.dtype == keys.dtype:
+        leaders, shared = cache.shared if cache.shared is not None else (_NONE, _NONE)
         out = mod.decode_attention(q.reshape(B, H, D).contiguous(), keys, values, cache.rows,
-                                   cache.positions[:, 0], -1 if window is None else window, D ** -0.5)
+                                   cache.positions[:, 0], -1 if window is None else window, D ** -0.5,
+                                   leaders, shared)
         return out.view(B, H, 1, D)
     if mod is not None and T > 1 and window is None and cache.starts is not None \
             and max(cache.starts) + T <= cache.length:

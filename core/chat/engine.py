@@ -78,6 +78,8 @@ class LLMEngine:
         self.device = model.get_device()
         self.linear = self._pack(model) if self.device.type == "cpu" and config.packed_linear else "torch"
         self.attention = attention_path(self.device)     # builds the CPU kernel now, not at the first request
+        # decode reads a prefix that rows share once for them all (the CPU kernel's cascade)
+        self.shared_prefixes = config.shared_prefix_attention and self.attention == "cpu-kernel"
         dtype = next(model.parameters()).dtype
         self.dtype = str(dtype).removeprefix("torch.")
         self.graphs = None
@@ -295,7 +297,7 @@ class LLMEngine:
                 self.graphs = None
         if logits is None:
             ids = torch.tensor([[s.pending] for _, s in decoding], device=self.device)
-            cb = CacheBatch.build(self.cache, rows, positions, 1, previous)
+            cb = CacheBatch.build(self.cache, rows, positions, 1, previous, self.shared_prefixes)
             logits = self.model(ids, cb, last=torch.zeros(len(decoding), dtype=torch.long, device=self.device))
         for _, s in decoding:
             s.position += 1

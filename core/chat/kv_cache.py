@@ -5,12 +5,19 @@ at each row's own positions and attends over the prefix of its rows; the engine,
 owns the per-row lengths. Capacity starts small and grows (by allocating and copying, so contents
 survive; `resize_` would scramble them) up to the model's sequence length; the
 number of rows is fixed, which is what bounds memory.
+
+The cache also knows which rows begin with copies of another row's keys (`copy_rows`: a prefix-cache hit
+copied in, the n samples of one prompt) and for how many positions they still do: a write below that length,
+into either row, shortens it. A decode pass on the CPU reads such a shared prefix once for all the rows that
+hold it (`shared_prefixes`, csrc/cache_attention.cpp).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+MIN_SHARED = 16          # a shared prefix shorter than this is not worth grouping rows for
 
 
 class KVCache:
@@ -23,6 +30,8 @@ class KVCache:
         cap = min(max_len, initial_len or max_len)
         self.k = torch.zeros(n_layer, rows, n_kv_head, cap, head_dim, dtype=dtype, device=self.device)
         self.v = torch.zeros_like(self.k)
+        self.filled = [0] * rows                      # per row: 1 + the highest position written
+        self.sources: dict[int, tuple[int, int]] = {}   # row -> (row it copied its first n positions from, n)
 
     @classmethod
     def for_model(cls, config, rows: int, initial_len: int | None = None, dtype=torch.float32,
@@ -55,6 +64,56 @@ class KVCache:
         idx = torch.tensor(dsts, device=self.device)
         self.k[:, idx, :, :length] = self.k[:, src:src + 1, :, :length]
         self.v[:, idx, :, :length] = self.v[:, src:src + 1, :, :length]
+        for d in dsts:
+            self.written(d, 0, length)
+            if length >= MIN_SHARED:
+                self.sources[d] = (src, length)
+
+    def written(self, row: int, start: int, end: int) -> None:
+        """Positions start..end-1 of `row` are (about to be) written: a copy relation that covers them ends there.
+        Rows that copied more than that from `row` still hold the same keys as each other: the one that copied
+        most becomes the others' source."""
+        if start < self.filled[row]:
+            src = self.sources.get(row)
+            if src is not None and src[1] > start:
+                self._shorten(row, src[0], start)
+            cut = sorted(((n, dst) for dst, (s, n) in self.sources.items() if s == row and n > start), reverse=True)
+            if cut:
+                n0, heir = cut[0]
+                self._shorten(heir, row, start)
+                for n, dst in cut[1:]:
+                    self.sources[dst] = (heir, n)      # n <= n0: the heir holds them too
+        self.filled[row] = max(self.filled[row], end)
+
+    def _shorten(self, dst: int, src: int, n: int) -> None:
+        if n >= MIN_SHARED:
+            self.sources[dst] = (src, n)
+        else:
+            del self.sources[dst]
+
+    def shared_prefixes(self, rows: list[int], positions: list[int]) -> tuple[list[int], list[int]] | None:
+        """For each of `rows`, whose next key goes at `positions`: the row whose keys its first positions copy
+        (following copies of copies back to the first; a row that others copy is its own) and how many positions
+        before its next key it shares with that row; a row that shares with no other row of the batch gets 0.
+        None when no two rows share."""
+        if not self.sources:
+            return None
+        leaders, lengths = [], []
+        for r, pos in zip(rows, positions):
+            lead, n = r, pos
+            for _ in range(len(self.sources)):     # a chain visits each row once (copies point to older rows)
+                if lead not in self.sources:
+                    break
+                lead, m = self.sources[lead]
+                n = min(n, m)
+            leaders.append(lead)
+            lengths.append(n)
+        counts: dict[int, int] = {}
+        for lead in leaders:
+            counts[lead] = counts.get(lead, 0) + 1
+        if not any(c > 1 for c in counts.values()):
+            return None
+        return leaders, [n if counts[lead] > 1 else 0 for lead, n in zip(leaders, lengths)]
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
@@ -76,16 +135,23 @@ class CacheBatch:
     previous: torch.Tensor | None = None
     starts: list[int] | None = None       # each row's first position (build's `start`); None: not known here
     row_list: list[int] | None = None     # the rows, as given
+    # decode: (leaders, shared) tensors, (B,) each: the row whose first shared[b] keys row b's copy (KVCache.
+    # shared_prefixes); None: no two rows share a prefix, or the pass does not read them so
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None
     _windowed: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, cache: KVCache, rows: list[int], start: list[int], T: int,
-              previous: list[int] | None = None) -> "CacheBatch":
+              previous: list[int] | None = None, shared_prefixes: bool = False) -> "CacheBatch":
         """previous: the token before each row's `start` (-1 where start is 0); needed when a row starts later
-        and the model reads it (ChatNetwork.needs_previous)."""
+        and the model reads it (ChatNetwork.needs_previous). shared_prefixes: look up the prefixes the rows
+        share (for decode attention that reads them once)."""
         device = cache.device
         end = min(max(start) + T, cache.max_len)
         cache.ensure_capacity(end)
+        for r, s0 in zip(rows, start):
+            cache.written(r, s0, min(s0 + T, cache.max_len))
+        shared = cache.shared_prefixes(rows, start) if shared_prefixes else None
         rows_t = torch.tensor(rows, device=device)
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         # Right-padded batches may run past the end of the cache with padding tokens: those positions are
@@ -94,7 +160,8 @@ class CacheBatch:
         positions = positions.clamp_(max=cache.max_len - 1)
         prev = torch.tensor(previous, device=device) if previous is not None else None
         return cls(cache, rows_t, slice(rows[0], rows[0] + len(rows)) if contiguous else None, positions, None,
-                   end, prev, list(start), list(rows))
+                   end, prev, list(start), list(rows),
+                   None if shared is None else (torch.tensor(shared[0]), torch.tensor(shared[1])))
 
     @property
     def starts_at_zero(self) -> bool:

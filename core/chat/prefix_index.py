@@ -70,10 +70,11 @@ class RowPool:
                 if not rows:
                     del self._blocks[h]
 
-    def match(self, prompt: list[int], limit: int) -> Match:
+    def match(self, prompt: list[int], limit: int, count: bool = True) -> Match:
         """The indexed row holding the longest prefix of `prompt` (at most `limit` tokens); ties go to a free row,
-        then the most recently used."""
-        self.query_tokens += len(prompt)
+        then the most recently used. `count`: add it to the hit statistics (a lookup that admits the prompt)."""
+        if count:
+            self.query_tokens += len(prompt)
         candidates, matched, h = set(self.tokens), 0, 0
         for i in range(0, min(len(prompt), limit) - BLOCK + 1, BLOCK):
             h = hash((h, tuple(prompt[i:i + BLOCK])))
@@ -92,7 +93,8 @@ class RowPool:
                 best = Match(row, n, row in self.free)
         if best.row >= 0 and self.tokens[best.row][:best.length] != prompt[:best.length]:
             return Match(-1, 0, False)              # a hash collision: no reuse
-        self.hit_tokens += best.length
+        if count:
+            self.hit_tokens += best.length
         return best
 
     # ---- rows

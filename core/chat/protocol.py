@@ -336,6 +336,9 @@ class EngineConfig:
     kind: Literal["model", "replay"] = "model"   # "replay": replay.py's engine, no model (benchmarks and tests)
     replay_step_s: float = H200_STEP_S          # the replay engine's step time (one token per running row)
     packed_linear: bool = True      # on the CPU, linear layers through oneDNN with weights packed once (packed.py)
+    # on the CPU, decode reads a prefix that rows hold as copies of one row (prefix-cache hits, n samples) once
+    # for all of them (attention.py); the same results either way
+    shared_prefix_attention: bool = True
     # the model's and its KV cache's precision; "auto": bf16 on CUDA and on CPUs that compute it natively (AMX,
     # AVX-512 BF16), fp32 elsewhere (weights.chat_dtype)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"

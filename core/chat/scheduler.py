@@ -18,8 +18,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .outputs import SampleOutput
-from .prefix_index import RowPool
+from .prefix_index import BLOCK, RowPool
 from .protocol import EngineConfig, EngineFull, EngineError, SamplingError, SamplingParams
+
+
+DEFER_MIN = 64       # tokens a waiting prompt must share with one being prefilled to wait for it (admit)
 
 
 def row_rng(seed: int | None, sample_index: int) -> random.Random:
@@ -191,11 +194,24 @@ class Scheduler:
 
     def admit(self) -> list[Admitted]:
         """Rows for waiting requests, in arrival order, while enough are free. At least the last prompt token is
-        always computed (its logits are sampled from), so a cached prefix covers at most all but one."""
-        out = []
+        always computed (its logits are sampled from), so a cached prefix covers at most all but one.
+
+        With prefix caching, a prompt that shares at least DEFER_MIN more tokens with a prompt being prefilled (or
+        admitted in this call) than the cache holds waits, ahead of later arrivals, until that prompt is in its
+        row: then it copies the shared part instead of computing it again, and its decode reads those keys
+        together with the rows that hold the same copy (attention.py). A burst of requests with one system
+        prompt computes it once."""
+        out: list[Admitted] = []
+        deferred: list[Request] = []
         while self.waiting and self.pool.n_free >= self.waiting[0].params.n:
             req = self.waiting.popleft()
             feed = req.feed
+            if self.prefix_caching and req.params.prompt_logprobs is None:
+                pending = self._pending_overlap(feed, self.prefilling + [a.request for a in out])
+                if pending >= DEFER_MIN and pending >= self.pool.match(feed, len(feed) - 1, count=False).length \
+                        + DEFER_MIN:
+                    deferred.append(req)
+                    continue
             m = self.pool.match(feed, limit=len(feed) - 1)
             length = m.length
             if req.params.prompt_logprobs is not None:
@@ -216,7 +232,26 @@ class Scheduler:
                 self.prompt_memo.pop(s.row, None)
             req.prefilled, req.cached_tokens = length, min(length, len(req.prompt))
             out.append(Admitted(req, copy))
+        self.waiting.extendleft(reversed(deferred))
         return out
+
+    @staticmethod
+    def _pending_overlap(feed: list[int], pending: list[Request]) -> int:
+        """The most leading tokens `feed` shares with any of `pending`'s feeds (at most all but its last)."""
+        best = 0
+        for other in pending:
+            f = other.feed
+            lo, hi = 0, min(len(f), len(feed) - 1)
+            if hi <= best or f[:BLOCK] != feed[:BLOCK]:
+                continue
+            while lo < hi:                       # the longest common prefix, by halving (slices compare in C)
+                mid = (lo + hi + 1) // 2
+                if f[:mid] == feed[:mid]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            best = max(best, lo)
+        return best
 
     def _scored_reuse(self, req: Request, row: int, length: int) -> int:
         """How much of `row`'s matched prefix a request that asks for prompt logprobs may reuse (it takes the

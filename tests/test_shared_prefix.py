@@ -1,5 +1,6 @@
 """Shared prefixes read once: the decode kernel's groups (cascade attention), the cache's record of which rows
 hold copies of which, and the scheduler's wait for a prefix being prefilled. Each against the plain path."""
+import contextlib
 import random
 
 import pytest
@@ -12,6 +13,28 @@ from tests.conftest import tiny_model
 from tests.test_chat_engine import collect
 
 NONE = torch.empty(0, dtype=torch.long)
+
+
+@contextlib.contextmanager
+def kernel_calls(record):
+    """attention.py's kernel, with record(args) called before each decode_attention call."""
+    import core.chat.attention as attention
+
+    real = attention.kernel()
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def decode_attention(self, *args):
+            record(args)
+            return real.decode_attention(*args)
+
+    attention._kernel = Spy()
+    try:
+        yield
+    finally:
+        attention._kernel = real
 
 
 def reference(q, K, V, rows, positions, window):
@@ -100,27 +123,14 @@ def shared_prefix_requests(seed: int, vocab: int = 500):
 def test_shared_prefix_attention_changes_no_token_or_logprob(arch, tokenizer, dtype):
     """An engine that reads shared prefixes once and one that does not give the same tokens and logprobs, in fp32
     and bf16 alike; the first did group rows (a build or a bookkeeping fault that never groups fails here)."""
-    import core.chat.attention as attention
-
     model = tiny_model(arch, tokenizer, seed=4, std=0.3).to(dtype)
     on = LLMEngine(model, tokenizer, max_rows=12, prefill_chunk=64)
     off = LLMEngine(model, tokenizer, max_rows=12, prefill_chunk=64, shared_prefix_attention=False)
     assert on.shared_prefixes and not off.shared_prefixes
     grouped = []
-    real = attention.kernel()
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def decode_attention(self, *args):
-            grouped.append(int((args[-1] > 0).sum()))
-            return real.decode_attention(*args)
-
     results = {}
     for name, engine in (("on", on), ("off", off)):
-        attention._kernel = Spy() if name == "on" else real
-        try:
+        with kernel_calls(lambda args: grouped.append((name, int((args[-1] > 0).sum())))):
             out = {}
             for wave in shared_prefix_requests(seed=5):
                 for rid, prompt, params in wave:
@@ -131,10 +141,10 @@ def test_shared_prefix_attention_changes_no_token_or_logprob(arch, tokenizer, dt
                             out.setdefault((ev.request_id, ev.index), []).append((ev.token, ev.logprob,
                                                                                   ev.top_logprobs))
             results[name] = out
-        finally:
-            attention._kernel = real
     assert results["on"] == results["off"]
-    assert max(grouped) >= 4          # several rows read one system prompt together in some decode steps
+    # several rows read one system prompt together in some decode steps; never with the option off
+    assert max(n for name, n in grouped if name == "on") >= 4
+    assert max(n for name, n in grouped if name == "off") == 0
 
 
 def test_a_burst_with_one_system_prompt_computes_it_once(tokenizer, nanochat_model):
@@ -164,3 +174,29 @@ def test_a_burst_with_one_system_prompt_computes_it_once(tokenizer, nanochat_mod
         assert admitted == [rid for rid, _, _ in reqs]
     assert results[0] == results[1]
     assert on.stats().prefix_hit_tokens >= 7 * 96
+
+
+def test_attention_on_more_threads_than_the_model_changes_nothing(tokenizer, modern_model):
+    """attention_threads: the decode kernel and prefill's SDPA run on that many torch threads (the rest of the
+    model on its own count), with the same tokens as on one."""
+    from core.chat.protocol import EngineConfig
+
+    with pytest.raises(ValueError, match="attention_threads"):
+        EngineConfig(attention_threads=0)
+    seen = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    results = []
+    try:
+        for n in (None, 2):
+            engine = LLMEngine(modern_model, tokenizer, max_rows=6, prefill_chunk=48, attention_threads=n)
+            seen.clear()
+            with kernel_calls(lambda args: seen.append(torch.get_num_threads())):
+                for wave in shared_prefix_requests(seed=7):
+                    for rid, prompt, params in wave[:5]:
+                        engine.add_request(prompt, params, rid)
+                results.append(collect(engine))
+            assert set(seen) == {n or 1} and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert results[0] == results[1]

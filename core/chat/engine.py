@@ -80,6 +80,7 @@ class LLMEngine:
         self.attention = attention_path(self.device)     # builds the CPU kernel now, not at the first request
         # decode reads a prefix that rows share once for them all (the CPU kernel's cascade)
         self.shared_prefixes = config.shared_prefix_attention and self.attention == "cpu-kernel"
+        self.attention_threads = (config.attention_threads or 0) if self.device.type == "cpu" else 0
         dtype = next(model.parameters()).dtype
         self.dtype = str(dtype).removeprefix("torch.")
         self.graphs = None
@@ -227,7 +228,7 @@ class LLMEngine:
                     if self.model.needs_previous else None)
         # right padding: a padded position lies beyond its row's prompt, is masked for that row's queries and is
         # overwritten before the row ever reaches it.
-        cb = CacheBatch.build(self.cache, rows, start, T, previous)
+        cb = CacheBatch.build(self.cache, rows, start, T, previous, threads=self.attention_threads)
         last = torch.tensor([take - 1 for _, take in batch], device=self.device)
         if any(req.prompt_entries is not None for req, _ in batch):
             hidden = self.model.hidden(ids.to(self.device), cb)
@@ -297,7 +298,8 @@ class LLMEngine:
                 self.graphs = None
         if logits is None:
             ids = torch.tensor([[s.pending] for _, s in decoding], device=self.device)
-            cb = CacheBatch.build(self.cache, rows, positions, 1, previous, self.shared_prefixes)
+            cb = CacheBatch.build(self.cache, rows, positions, 1, previous, self.shared_prefixes,
+                                  self.attention_threads)
             logits = self.model(ids, cb, last=torch.zeros(len(decoding), dtype=torch.long, device=self.device))
         for _, s in decoding:
             s.position += 1

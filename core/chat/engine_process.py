@@ -56,6 +56,9 @@ def build_engine(start: Start):
     model, tok, _ = load_chat_model(start.checkpoint, device, dtype)
     logger.info("chat model in %s (%s)", str(dtype).removeprefix("torch."), why)
     engine = LLMEngine(model, tok, start.config, prefix_ids=list(start.prefix_ids) or None)
+    if engine.attention_threads:
+        logger.info("attention on %d torch threads, the rest of the model on %d", engine.attention_threads,
+                    torch.get_num_threads())
     engine.grammars.tokenizer()       # structured outputs' vocabulary index, before the first request needs it
     return engine
 

@@ -138,11 +138,12 @@ class CacheBatch:
     # decode: (leaders, shared) tensors, (B,) each: the row whose first shared[b] keys row b's copy (KVCache.
     # shared_prefixes); None: no two rows share a prefix, or the pass does not read them so
     shared: tuple[torch.Tensor, torch.Tensor] | None = None
+    threads: int = 0                      # torch threads for the pass's attention on a CPU (0: as they are)
     _windowed: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, cache: KVCache, rows: list[int], start: list[int], T: int,
-              previous: list[int] | None = None, shared_prefixes: bool = False) -> "CacheBatch":
+              previous: list[int] | None = None, shared_prefixes: bool = False, threads: int = 0) -> "CacheBatch":
         """previous: the token before each row's `start` (-1 where start is 0); needed when a row starts later
         and the model reads it (ChatNetwork.needs_previous). shared_prefixes: look up the prefixes the rows
         share (for decode attention that reads them once)."""
@@ -161,7 +162,7 @@ class CacheBatch:
         prev = torch.tensor(previous, device=device) if previous is not None else None
         return cls(cache, rows_t, slice(rows[0], rows[0] + len(rows)) if contiguous else None, positions, None,
                    end, prev, list(start), list(rows),
-                   None if shared is None else (torch.tensor(shared[0]), torch.tensor(shared[1])))
+                   None if shared is None else (torch.tensor(shared[0]), torch.tensor(shared[1])), threads)
 
     @property
     def starts_at_zero(self) -> bool:

@@ -339,6 +339,9 @@ class EngineConfig:
     # on the CPU, decode reads a prefix that rows hold as copies of one row (prefix-cache hits, n samples) once
     # for all of them (attention.py); the same results either way
     shared_prefix_attention: bool = True
+    # on the CPU, torch threads for attention alone (the decode kernel, prefill's SDPA): memory-bound work that a
+    # second core speeds up where the products' small steps gain little (attention.py); None: as many as the model
+    attention_threads: int | None = None
     # the model's and its KV cache's precision; "auto": bf16 on CUDA and on CPUs that compute it natively (AMX,
     # AVX-512 BF16), fp32 elsewhere (weights.chat_dtype)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -348,6 +351,8 @@ class EngineConfig:
             raise ValueError(f"the chat engine is one of {list(ENGINE_KINDS)}, not {self.kind!r}")
         if not 0 <= self.replay_step_s <= 10:
             raise ValueError(f"replay_step_s must be in [0, 10] seconds, got {self.replay_step_s}")
+        if self.attention_threads is not None and self.attention_threads < 1:
+            raise ValueError(f"attention_threads must be at least 1 (or None: every core), got {self.attention_threads}")
         if self.cpu_policy not in CPU_POLICIES:
             raise ValueError(f"cpu_policy must be one of {list(CPU_POLICIES)}, not {self.cpu_policy!r}")
         if self.cpu_policy != "normal" and not self.process:

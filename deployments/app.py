@@ -1,8 +1,10 @@
 """The application builder that serve_config.yaml names: `import_path: deployments.app:build_app`.
 
 Configuration flows one way: the config's `args` -> `AppArgs` (settings.py: one settings object per part) ->
-each deployment's constructor, whole. Replica counts, autoscaling, resources, queues and health checks belong
-to the config's `deployments:` section.
+each deployment's constructor, whole. Each model is a deployment of its own (ChatModel or DecisionModel's code,
+named after the model when the config lists `models:`); the Ingress gets every model's handle. Replica counts,
+autoscaling, resources, queues and health checks belong to the config's `deployments:` section (by deployment
+name) or, for a model of `models:`, to its entry's `deployment:`.
 """
 from __future__ import annotations
 
@@ -29,9 +31,12 @@ def wire(a: AppArgs, options: dict[str, dict] | None = None) -> Application:
     checkpoints are made absolute here, in the process that reads the config; API keys from `api_keys_env`
     are read here too."""
     options = options or {}
-    chat_settings = a.chat.model_copy(update={"checkpoint": os.path.abspath(a.chat.checkpoint)})
-    decision_settings = a.decision.model_copy(update={"checkpoint": os.path.abspath(a.decision.checkpoint)})
-    chat = ChatModel.options(**options.get("ChatModel", {})).bind(chat_settings)
-    decision = DecisionModel.options(**options.get("DecisionModel", {})).bind(decision_settings)
-    return Ingress.options(**options.get("Ingress", {})).bind(chat, decision, a.ingress.with_env_keys())
+    models = []
+    for m in a.served_models():
+        settings = m.settings.model_copy(update={"checkpoint": os.path.abspath(m.settings.checkpoint)})
+        code = ChatModel if m.kind == "chat" else DecisionModel
+        opts = {**m.deployment, **options.get(m.deployment_name, {})}
+        models.append({"kind": m.kind, "names": m.names,
+                       "handle": code.options(name=m.deployment_name, **opts).bind(settings)})
+    return Ingress.options(**options.get("Ingress", {})).bind(models, a.ingress.with_env_keys())
 

@@ -154,7 +154,8 @@ class ChatModel:
 
     def info(self) -> ChatModelInfo:
         return ChatModelInfo(self.name, checkpoint_time(self.settings.checkpoint), self.sequence_len,
-                             self.engine.max_rows, self.tok.vocab_size, self.defaults.sampling, self.defaults.tool_format)
+                             self.engine.max_rows, self.tok.vocab_size, self.defaults.sampling, self.defaults.tool_format,
+                             tuple(self.settings.model_aliases))
 
     def stats(self) -> dict:
         s = self.engine.stats()

@@ -1,7 +1,8 @@
 """The HTTP ingress: OpenAI-compatible chat, the /v1/systemone decision API, models, health, keys, limits.
 
-Each route parses its body (bounded), lets the request model check itself against the model's info and the
-Ingress's limits, and hands it to the chat deployment (through a streaming handle) or the decision deployment.
+Each route parses its body (bounded), finds the model it names in the registry (registry.py: every chat and
+decision model of the config, each its own deployment), lets the request model check itself against that model's
+info and the Ingress's limits, and hands it to the model's deployment (a chat model through a streaming handle).
 The parts live beside it: openai_requests.py and responses_api.py (the request models, their checks and
 SamplingParams), openai_shapes.py (every answer's shape), completion.py and responses_stream.py (a stream's
 chunks and answer), admission.py (chat admission, and the 503 before routing), resume.py (retries, and
@@ -18,11 +19,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.serve.handle import DeploymentHandle
 from ray.serve.metrics import Gauge
 
 from core.chat.protocol import ChatModelInfo, GenerateRequest, SamplingError, SamplingParams
-from core.decision.types import DecisionModelInfo, DecisionRequest
+from core.decision.types import DecisionRequest
 
 from . import web
 from .admission import Admission, RefuseWhenFull, Slot, Tally
@@ -33,6 +33,7 @@ from .generation import respond
 from .openai_requests import (ChatCompletionRequest, DetokenizeRequest, TextCompletionRequest, TokenizeRequest,
                               unsupported)
 from .openai_shapes import DetokenizeResponse, Health, ModelCard, ModelList, TokenizeResponse
+from .registry import Model, Registry
 from .openapi import openapi_schema
 from .responses_api import InputError, ResponsesRequest
 from .responses_stream import ResponseBuilder
@@ -51,10 +52,10 @@ app.add_middleware(RefuseWhenFull)
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, chat: DeploymentHandle, decision: DeploymentHandle, settings: IngressSettings):
-        """settings: the Ingress part of AppArgs, its API keys already read (IngressSettings.with_env_keys)."""
-        self.chat, self.decision, self.settings = chat, decision, settings
-        self.chat_stream = chat.options(stream=True)   # built once: options() per request costs a handle copy
+    def __init__(self, models: list[dict], settings: IngressSettings):
+        """models: {"kind", "names", "handle"} per model (app.wire); settings: the Ingress part of AppArgs, its API
+        keys already read (IngressSettings.with_env_keys)."""
+        self.registry, self.settings = Registry(models), settings
         self.api_keys = [k for k in settings.api_keys if k]
         self.retry = RetryPolicy(settings.retry_timeout_s)
         self.chat_refused = Tally("ingress_chat_refused_total",
@@ -66,8 +67,6 @@ class Ingress:
                                         on_refusal=self.chat_refused.inc)
         self.streams_continued = Tally("chat_streams_continued_total",
                                        "Generations moved to another chat replica after theirs was lost.")
-        self._chat_info: ChatModelInfo | None = None
-        self._decision_info: DecisionModelInfo | None = None
         app.state.ingress = self    # RefuseWhenFull reads the admission and key check here (one Ingress per process)
 
     def _admission_changed(self, admission: Admission) -> None:
@@ -103,43 +102,46 @@ class Ingress:
             msg, param = validation_message(e)
             raise APIError(error(msg, param=param)) from None
 
-    async def chat_info(self) -> ChatModelInfo:
-        if self._chat_info is None:
-            self._chat_info = await self.chat.info.remote()
-        return self._chat_info
-
-    async def decision_info(self) -> DecisionModelInfo:
-        if self._decision_info is None:
-            self._decision_info = await self.decision.info.remote()
-        return self._decision_info
-
     # ---- routes
     @app.get("/healthz")
     async def healthz(self):
-        try:
-            await asyncio.wait_for(asyncio.gather(self.chat.info.remote(), self.decision.info.remote()), 5)
-        except Exception as e:
-            logger.warning("health check failed: %s", e)
-            return JSONResponse(Health(status="unavailable"), status_code=503, headers={"Retry-After": RETRY_AFTER_S})
-        return Health(status="ok")
+        """200 when every model answers within 5 s; else 503, the body naming each model's state."""
+        got = await self.registry.each(lambda m: m.handle.info.remote(), timeout=5)
+        states = {name: "unavailable" if isinstance(r, BaseException) else "ok" for name, r in got.items()}
+        if all(v == "ok" for v in states.values()):
+            return Health(status="ok", models=states)
+        logger.warning("health check failed for %s", ", ".join(f"{n} ({got[n]!r})" for n, v in states.items()
+                                                             if v != "ok"))
+        return JSONResponse(Health(status="unavailable", models=states), status_code=503,
+                            headers={"Retry-After": RETRY_AFTER_S})
 
     @app.get("/v1/models")
     async def models(self, request: Request):
+        """Every model that answers, with its aliases as cards of their own (`alias_of`)."""
         self._authorize(request)
-        chat, decision = await asyncio.gather(self.chat_info(), self.decision_info())
-        card = lambda name, info, kind, **alias: ModelCard(  # noqa: E731
-            id=name, object="model", created=info.created, owned_by="startlux-serve", kind=kind, **alias)
-        return ModelList(object="list", data=[
-            card(chat.id, chat, "chat"), card(decision.id, decision, "decision"),
-            *(card(alias, decision, "decision", alias_of=decision.id) for alias in decision.aliases)])
+        infos = await self.registry.each(Model.info)
+        cards = []
+        for m in self.registry.models:
+            info = infos[m.name]
+            if isinstance(info, BaseException):
+                logger.warning("/v1/models: %s did not answer (%r)", m.name, info)
+                continue
+            card = lambda name, **alias: ModelCard(  # noqa: E731
+                id=name, object="model", created=info.created, owned_by="startlux-serve", kind=m.kind, **alias)
+            cards += [card(m.name), *(card(alias, alias_of=m.name) for alias in m.names[1:])]
+        return ModelList(object="list", data=cards)
 
     @app.get("/debug/stats")
     async def stats(self, request: Request):
-        """Per-replica engine and batching counters of the replicas that answer (for tests and operators)."""
+        """Per-replica engine and batching counters of each model's replicas that answer (for tests and operators):
+        `models` by name; `chat` and `decision` are the first model of each kind's."""
         self._authorize(request)
-        chat, decision = await asyncio.gather(self.chat.stats.remote(), self.decision.stats.remote())
+        got = await self.registry.each(lambda m: m.handle.stats.remote())
+        models = {m.name: {"kind": m.kind, **({"error": repr(got[m.name])} if isinstance(got[m.name], BaseException)
+                                              else got[m.name])} for m in self.registry.models}
+        first = {kind: models[ms[0].name] for kind in ("chat", "decision") if (ms := self.registry.of_kind(kind))}
         admission = self.chat_admission
-        return {"chat": chat, "decision": decision,
+        return {**first, "models": models,
                 "ingress": {"chat_in_flight": admission.in_flight, "chat_waiting": admission.waiting,
                             "chat_limit": admission.limit, "chat_refused": self.chat_refused.total,
                             "chat_streams_continued": self.streams_continued.total}}
@@ -149,16 +151,13 @@ class Ingress:
         req = await self._parse(request, DecisionRequest)
         if len(req.questions) > self.settings.max_questions:
             raise APIError(error(f"at most {self.settings.max_questions} questions per request", param="questions"))
-        info = await self.decision_info()
-        if not info.serves(req.model):
-            raise APIError(error(f"unknown model {req.model!r}; this service decides with {info.id!r}",
-                                 "not_found_error", "model", "model_not_found"))
+        model = self.registry.get("decision", req.model)
         if req.assets:
             raise APIError(error("`assets` (images for placeholders) are not supported by this decision model; "
                                  "send the request without them", param="assets", code="unsupported_parameter"))
         payload = {"state": req.state,
                    "questions": {k: q.model_dump(exclude_unset=True) for k, q in req.questions.items()}}
-        result = await self.retry(lambda: self.decision.decide.remote(payload), "decision")
+        result = await self.retry(lambda: model.handle.decide.remote(payload), "decision")
         if "error" in result:
             raise APIError(result)
         return result
@@ -174,8 +173,8 @@ class Ingress:
     @app.post("/tokenize")
     async def tokenize(self, request: Request):
         """vLLM's /tokenize: a prompt's or a conversation's token ids, under the limits of a chat request."""
-        req, info = await self._chat_request(request, TokenizeRequest)
-        got = await self.chat.tokenize.remote(req.prompt_messages(info.tool_format), req.prompt,
+        req, model, info = await self._chat_request(request, TokenizeRequest)
+        got = await model.handle.tokenize.remote(req.prompt_messages(info.tool_format), req.prompt,
                                               req.add_special_tokens is not False, req.add_generation_prompt,
                                               req.return_token_strs)
         if "error" in got:
@@ -186,8 +185,8 @@ class Ingress:
     @app.post("/detokenize")
     async def detokenize(self, request: Request):
         """vLLM's /detokenize: token ids as text."""
-        req, _ = await self._chat_request(request, DetokenizeRequest)
-        return DetokenizeResponse(prompt=await self.chat.decode.remote(req.tokens))
+        req, model, _ = await self._chat_request(request, DetokenizeRequest)
+        return DetokenizeResponse(prompt=await model.handle.decode.remote(req.tokens))
 
     @app.post("/v1/responses")
     async def responses(self, request: Request):
@@ -200,11 +199,11 @@ class Ingress:
             chat_req = req.to_chat()
         except InputError as e:
             raise APIError(error(str(e), param=e.param)) from None
-        info = await self._checked(chat_req)
+        model, info = await self._checked(chat_req)
         params = await self._params(chat_req, info)
         gen = GenerateRequest(params, messages=chat_req.prompt_messages(info.tool_format))
         builder = ResponseBuilder(info.id, req, chat_req.tool_plan(info.tool_format), params)
-        return await self._generate(gen, builder, chat_req, slot, resumable=True)
+        return await self._generate(model, gen, builder, chat_req, slot, resumable=True)
 
     async def _admitted(self, request: Request, handler):
         """Key check and a slot from the chat admission first (before the body is read), then `handler`; the
@@ -218,37 +217,42 @@ class Ingress:
             raise
 
     async def _chat_completion(self, request: Request, slot: Slot):
-        req, info = await self._chat_request(request, ChatCompletionRequest, openai=True)
+        req, model, info = await self._chat_request(request, ChatCompletionRequest, openai=True)
         fmt = info.tool_format
         gen = GenerateRequest(await self._params(req, info), messages=req.prompt_messages(fmt))
         completion = Completion(info.id, req.n, logprobs=req.logprobs, tools=req.tool_plan(fmt))
-        return await self._generate(gen, completion, req, slot, resumable=req.n == 1)
+        return await self._generate(model, gen, completion, req, slot, resumable=req.n == 1)
 
     async def _text_completion(self, request: Request, slot: Slot):
-        req, info = await self._chat_request(request, TextCompletionRequest, openai=True)
+        req, model, info = await self._chat_request(request, TextCompletionRequest, openai=True)
         prompts = req.prompts()
         echo = None
         if req.echo:
-            echo = [p if isinstance(p, str) else await self.chat.detokenize.remote(p) for p in prompts]
+            echo = [p if isinstance(p, str) else await model.handle.detokenize.remote(p) for p in prompts]
         completion = TextCompletion(info.id, req.n, len(prompts), logprobs=req.logprobs is not None, echo=echo)
         gen = GenerateRequest(await self._params(req, info),
                               prompts=tuple(p if isinstance(p, str) else tuple(p) for p in prompts))
-        return await self._generate(gen, completion, req, slot, resumable=req.n == 1 and len(prompts) == 1)
+        return await self._generate(model, gen, completion, req, slot,
+                                    resumable=req.n == 1 and len(prompts) == 1)
 
     async def _chat_request(self, request: Request, schema, openai: bool = False):
-        """A request for the chat model, parsed and checked against its limits: (request, the model's info)."""
+        """A request for a chat model, parsed and checked against its limits: (request, the model, its info)."""
         req = await self._parse(request, schema, openai)
-        return req, await self._checked(req)
+        return (req, *await self._checked(req))
 
-    async def _checked(self, req) -> ChatModelInfo:
-        info = await self.chat_info()
+    async def _checked(self, req) -> tuple[Model, ChatModelInfo]:
+        """The chat model `req` names (404 for another name) and its info, `req` checked against its limits."""
+        model = self.registry.get("chat", req.model)
+        info = await model.info()
         req.check(info, self.settings)
-        return info
+        return model, info
 
-    async def _generate(self, gen: GenerateRequest, completion: Completion, req, slot: Slot, resumable: bool):
-        """The generation on a chat replica, streamed or gathered (continued on another replica if its replica is
-        lost: ChatStream); a streamed response takes `slot` along and gives it back when the stream ends."""
-        stream = ChatStream(self.chat_stream, gen, self.retry, resumable, self.streams_continued.inc)
+    async def _generate(self, model: Model, gen: GenerateRequest, completion: Completion, req, slot: Slot,
+                        resumable: bool):
+        """The generation on one of `model`'s replicas, streamed or gathered (continued on another of its replicas
+        if its replica is lost: ChatStream); a streamed response takes `slot` along and gives it back when the
+        stream ends."""
+        stream = ChatStream(model.stream, gen, self.retry, resumable, self.streams_continued.inc)
         return await respond(stream, completion, req.stream, req.include_usage, slot)
 
     @staticmethod

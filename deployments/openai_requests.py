@@ -51,7 +51,7 @@ def unsupported(data: dict) -> tuple[str, str] | None:
 
 
 def check_model(info: ChatModelInfo, model: str | None) -> None:
-    if model is not None and model != info.id:
+    if not info.serves(model):
         raise APIError(error(f"unknown model {model!r}; this service serves {info.id!r}", "not_found_error", "model",
                              "model_not_found"))
 

@@ -197,7 +197,7 @@ class ModelCard(TypedDict):
     created: int                        # the checkpoint's time (its config file's modification time)
     owned_by: str
     kind: Literal["chat", "decision"]
-    alias_of: NotRequired[str]          # a decision model's other name
+    alias_of: NotRequired[str]          # another name of the model `alias_of`
 
 
 @shape
@@ -209,6 +209,7 @@ class ModelList(TypedDict):
 @shape
 class Health(TypedDict):
     status: Literal["ok", "unavailable"]
+    models: NotRequired[dict[str, Literal["ok", "unavailable"]]]   # each model by name
 
 
 @shape

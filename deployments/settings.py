@@ -9,6 +9,12 @@ each default is written once, where the code that uses it lives. The config's ke
 them: `chat_<name>` is ChatSettings' `<name>` or the engine's (`chat_max_rows` -> chat.engine.max_rows;
 `chat_engine_process` -> chat.engine.process), `decision_<name>` the same for the decision model and its scorer,
 `device` both models', and any other key the Ingress's. The nested form (`chat: {max_rows: 64}`) means the same.
+
+Several models: a `models:` list, each entry one model with its `kind` (chat or decision), `name`, `aliases`,
+`checkpoint`, its own Serve deployment options under `deployment:` (replicas, autoscaling, resources, queues;
+the deployment is named after the model), and any setting of its kind without the prefix (`max_rows`, `dtype`,
+`max_batch_tokens`, ...). The flat `chat_`/`decision_` keys are then every entry's defaults. Without `models:`
+the service holds one model of each kind, in the deployments `ChatModel` and `DecisionModel`.
 """
 from __future__ import annotations
 
@@ -58,6 +64,7 @@ class ChatSettings(BaseModel):
 
     checkpoint: str = str(DEMO_MODELS / "demo-chat")
     model_name: str | None = None                   # default: the checkpoint directory's name
+    model_aliases: list[str] = []                   # other names clients may send as `model`
     device: str | None = None                       # "cuda", "cpu", or None for CUDA when present
     stream_interval: int = Field(1, ge=1)           # after a stream's first text, tokens per message to the Ingress
     stream_interval_s: float = Field(0.0, ge=0, le=1)   # ... or, when set, at most one message per this long
@@ -134,16 +141,83 @@ class IngressSettings(BaseModel):
 
 
 SECTIONS = {"chat": ChatSettings, "decision": DecisionSettings, "ingress": IngressSettings}
+KINDS = {"chat": ChatSettings, "decision": DecisionSettings}
+SINGLE = {"chat": "ChatModel", "decision": "DecisionModel"}   # the deployments of a service without `models:`
+
+
+class ServedModel(BaseModel):
+    """One model of the service: its kind, its settings, and the Serve deployment that holds it."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    kind: str
+    settings: ChatSettings | DecisionSettings
+    deployment_name: str
+    deployment: dict = {}                           # Serve options (num_replicas, autoscaling_config, ...)
+
+    @property
+    def name(self) -> str:
+        return self.settings.name if self.kind == "chat" else self.settings.model_name
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name, *self.settings.model_aliases]
+
+
+def _merged(defaults: dict, own: dict) -> dict:
+    """An entry's settings over the flat defaults of its kind (nested dicts, e.g. `engine`, merged a level)."""
+    out = dict(defaults)
+    for key, value in own.items():
+        out[key] = {**out[key], **value} if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _entry(raw: Any, defaults: dict[str, dict]) -> dict:
+    """One `models:` entry -> ServedModel's fields."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"a `models:` entry is a mapping with a kind (chat or decision), not {raw!r}")
+    own = dict(raw)
+    kind = own.pop("kind", None)
+    if kind not in KINDS:
+        raise ValueError(f"a `models:` entry needs `kind: chat` or `kind: decision`, got {kind!r} (in {raw!r})")
+    deployment = own.pop("deployment", {}) or {}
+    if not isinstance(deployment, dict):
+        raise ValueError(f"`deployment` of a `models:` entry is a mapping of Serve options, got {deployment!r}")
+    for short, field in (("name", "model_name"), ("aliases", "model_aliases")):
+        if short in own:
+            own[field] = own.pop(short)
+    settings = KINDS[kind].model_validate(_merged(defaults[kind], own))
+    name = settings.name if kind == "chat" else settings.model_name
+    return {"kind": kind, "settings": settings, "deployment_name": name, "deployment": deployment}
 
 
 class AppArgs(BaseModel):
-    """The config's `args`: flat keys (see the module's docstring) or one dict per part."""
+    """The config's `args`: flat keys (see the module's docstring) or one dict per part, and optionally `models:`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
     chat: ChatSettings = ChatSettings()
     decision: DecisionSettings = DecisionSettings()
     ingress: IngressSettings = IngressSettings()
+    models: list[ServedModel] = []                  # from `models:`; empty: one of each kind (served_models)
+
+    def served_models(self) -> list[ServedModel]:
+        """Every model of the service, in the config's order."""
+        if self.models:
+            return list(self.models)
+        return [ServedModel(kind="chat", settings=self.chat, deployment_name=SINGLE["chat"]),
+                ServedModel(kind="decision", settings=self.decision, deployment_name=SINGLE["decision"])]
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "AppArgs":
+        seen: dict[str, str] = {}
+        for m in self.served_models():
+            for n in m.names:
+                if n in seen:
+                    raise ValueError(f"two models answer to {n!r} ({seen[n]} and {m.name}): each name and alias "
+                                     f"names one model")
+                seen[n] = m.name
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -151,8 +225,14 @@ class AppArgs(BaseModel):
         if not isinstance(data, dict):
             return data
         parts: dict[str, dict] = {name: {} for name in SECTIONS}
+        entries = None
         for key, value in data.items():
-            if key in SECTIONS and isinstance(value, dict):
+            if key == "models":
+                if not isinstance(value, list) or not value:
+                    raise ValueError("`models:` is a list of at least one model (each with its kind); without it the "
+                                     "service holds one chat and one decision model")
+                entries = value
+            elif key in SECTIONS and isinstance(value, dict):
                 parts[key].update(value)
             elif key == "device":
                 parts["chat"].setdefault("device", value)
@@ -164,6 +244,9 @@ class AppArgs(BaseModel):
                 parts["ingress"][key] = value
             else:
                 raise ValueError(f"unknown argument {key!r}: the arguments are chat_<setting>, decision_<setting>, "
-                                 f"device, and the Ingress's ({', '.join(IngressSettings.model_fields)}); "
+                                 f"device, models, and the Ingress's ({', '.join(IngressSettings.model_fields)}); "
                                  f"docs/configuration.md lists them")
-        return {name: part for name, part in parts.items() if part}
+        out: dict[str, Any] = {name: part for name, part in parts.items() if part}
+        if entries is not None:
+            out["models"] = [_entry(e, parts) for e in entries]
+        return out

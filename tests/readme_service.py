@@ -93,8 +93,9 @@ class ReadmeService:
     """The README's `startlux serve` in its own session (its id is the pid, which `serve run` keeps: the command
     execs it), on ports fixed for every start."""
 
-    def __init__(self, tmp_path: Path, serve_args: tuple[str, ...] = ()):
-        """serve_args: options of `startlux serve` after the config (`--chat-checkpoint DIR`, say)."""
+    def __init__(self, tmp_path: Path, serve_args: tuple[str, ...] = (), config: str = "serve_config.cpu.yaml"):
+        """serve_args: options of `startlux serve` after the config (`--chat-checkpoint DIR`, say); config: the
+        repository's config to start (its port changed)."""
         from cluster.cli import ray_defaults
 
         env, argv = readme_serve_command()
@@ -114,10 +115,10 @@ class ReadmeService:
         # it print where each of its threads is
         self.env |= {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
         assert os.access(ray["RAY_SERVE_HAPROXY_BINARY_PATH"], os.X_OK)    # installed by `pip install -e .`
-        cfg = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())
+        cfg = yaml.safe_load((ROOT / config).read_text())
         self.port = free_port()
         cfg["http_options"]["port"] = self.port
-        self.config = tmp_path / "serve_config.cpu.yaml"
+        self.config = tmp_path / config
         self.config.write_text(yaml.safe_dump(cfg))
         self.tmp_path, self.url, self.proc = tmp_path, f"http://127.0.0.1:{self.port}", None
         self.serve_args = list(serve_args)

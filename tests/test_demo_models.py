@@ -60,6 +60,26 @@ def test_chat_demo_accuracy(chat_answers, kind):
         assert sum("[python_output]" in parts[f"math-{i}"] for i in range(len(right))) / len(right) >= 0.9
 
 
+def test_the_gpt2_demo_model_names_the_capitals():
+    """models/demo-gpt2, serve_config.models.yaml's second chat model: capitals on held-out questions."""
+    path = str(MODELS / "demo-gpt2")
+    model, tok, cfg = load_demo_chat(path)
+    assert cfg.arch == "gpt2"
+    prompter = ChatPrompter(tok, cfg.sequence_len, load_chat_defaults(path).fewshot)
+    engine = LLMEngine(model, tok, max_rows=32, prefix_ids=prompter.prefix_ids)
+    cases = D.eval_questions(HELD_OUT_SEED, 60, "fact")
+    for i, (msgs, _) in enumerate(cases):
+        engine.add_request(prompter.render(msgs, 32).ids, SamplingParams(max_tokens=32, temperature=0.0), str(i))
+    texts: dict[str, str] = {}
+    while engine.has_work():
+        for ev in engine.step():
+            if ev.segment == "text":
+                texts[ev.request_id] = texts.get(ev.request_id, "") + ev.text
+    right = [expected in texts.get(str(i), "") for i, (_, expected) in enumerate(cases)]
+    assert sum(right) / len(right) >= 0.9, [(cases[i][0][-1]["content"], texts.get(str(i))) for i, ok in
+                                           enumerate(right) if not ok][:5]
+
+
 @pytest.fixture(scope="module")
 def scorer():
     return StartLuxDecision(str(MODELS / "demo-decision"), device="cpu", max_batch_tokens=4096)

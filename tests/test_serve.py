@@ -75,7 +75,7 @@ def sse_events(lines):
 
 
 def test_health_and_models(service):
-    assert httpx.get(f"{service}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{service}/healthz").json() == {"status": "ok", "models": {"chat": "ok", "startlux-decision": "ok"}}
     ids = [m["id"] for m in httpx.get(f"{service}/v1/models").json()["data"]]
     assert ids == ["chat", "startlux-decision", "jev-latest"]
 

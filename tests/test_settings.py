@@ -119,7 +119,8 @@ def test_ingress_values_reach_its_parts(name, monkeypatch):
     ours = Ingress.func_or_class.__mro__[1]          # the class under Serve's ASGI wrapper (whose __init__ is async)
     assert ours.__module__ == "deployments.ingress" and "__init__" in vars(ours)
     handle = type("Handle", (), {"options": lambda self, **kw: self})()
-    ingress = ours(handle, handle, settings)
+    ingress = ours([{"kind": "chat", "names": ["c"], "handle": handle},
+                    {"kind": "decision", "names": ["d"], "handle": handle}], settings)
     d = IngressSettings()
     assert ingress.api_keys == (["k1", "k2"] if args.get("api_keys_env") else args.get("api_keys", []))
     assert ingress.chat_admission.limit == expect(args, "max_chat_inflight", d.max_chat_inflight)

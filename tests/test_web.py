@@ -109,7 +109,8 @@ def watch_reply(page):
 
 def test_chat_streams_the_answer(service, open_page):
     page = open_page(service + "/")
-    expect(page.locator("#model-name")).to_contain_text("demo-chat")
+    expect(page.locator("#chat-model")).to_have_value("demo-chat")
+    expect(page.locator("#decision-model")).to_have_value("startlux-decision")
     page.fill("#chat-input", "first line")
     page.press("#chat-input", "Shift+Enter")                # a new line, not a send
     page.locator("#chat-input").press_sequentially("second line")
@@ -173,7 +174,7 @@ def keyed_page(open_page, service):
     page.fill("#key-input", KEY)
     page.click("#key-panel button")
     expect(page.locator("#key-panel")).to_be_hidden()
-    expect(page.locator("#model-name")).to_contain_text("endless")
+    expect(page.locator("#chat-model")).to_have_value("endless")
     return page
 
 
@@ -191,7 +192,7 @@ def test_a_key_is_asked_for_and_kept_in_the_page(service, open_page):
     with page.expect_request("**/v1/models") as request:
         page.click("#key-panel button")
     assert request.value.headers["authorization"] == f"Bearer {KEY}"
-    expect(page.locator("#model-name")).to_contain_text("endless")
+    expect(page.locator("#chat-model")).to_have_value("endless")
     assert KEY not in page.url
     assert page.evaluate("JSON.stringify(sessionStorage) + JSON.stringify(localStorage)") == "{}{}"
     page.reload()                                            # kept in memory only: asked for again
@@ -199,10 +200,10 @@ def test_a_key_is_asked_for_and_kept_in_the_page(service, open_page):
     page.fill("#key-input", KEY)
     page.check("#key-remember")                              # opted in: the tab's session storage keeps it
     page.click("#key-panel button")
-    expect(page.locator("#model-name")).to_contain_text("endless")
+    expect(page.locator("#chat-model")).to_have_value("endless")
     assert page.evaluate("Object.values(sessionStorage)") == [KEY] and page.evaluate("localStorage.length") == 0
     page.reload()
-    expect(page.locator("#model-name")).to_contain_text("endless")
+    expect(page.locator("#chat-model")).to_have_value("endless")
     expect(page.locator("#key-panel")).to_be_hidden()
 
 

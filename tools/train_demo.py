@@ -127,9 +127,10 @@ CHAT_PHASES = [(4000, 3e-3, 0.0), (2400, 1e-3, 0.4)]
 
 
 def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None = None,
-               first_phase: str | None = None) -> None:
+               first_phase: str | None = None, arch: str = "nanochat") -> None:
     """Train from scratch, or with `resume` (a checkpoint of the first phase) only the later phases on it;
-    `first_phase`: where to save the model after the first phase too (for a later `resume`)."""
+    `first_phase`: where to save the model after the first phase too (for a later `resume`). arch "gpt2": a
+    GPT-2-architecture model of 2 x 128 instead (the second chat model of serve_config.models.yaml)."""
     torch.manual_seed(seed)
     fmt = ToolFormat(**D.TOOL_FORMAT)
     first = 0
@@ -139,11 +140,14 @@ def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None =
         first = 1
     else:
         tok = train_tokenizer(D.chat_corpus_text(seed=seed), 2048)
-        # nanochat's current architecture (nanochat_versions.py's newest version) at 4 x 128
-        cfg = ChatModelConfig(arch="nanochat", vocab_size=tok.vocab_size, n_layer=4, n_head=4, n_kv_head=4,
-                              n_embd=128, sequence_len=512, rms_norm_eps=FP32_EPS, rope_theta=100000.0,
-                              qk_scale=1.2, window_pattern="SSSL", short_window=128, residual_lambdas=True,
-                              value_embeds=True, smear=True, backout=True)
+        if arch == "gpt2":
+            cfg = ChatModelConfig(arch="gpt2", vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_kv_head=4,
+                                  n_embd=128, sequence_len=512, gelu_approximate="tanh")
+        else:   # nanochat's current architecture (nanochat_versions.py's newest version) at 4 x 128
+            cfg = ChatModelConfig(arch="nanochat", vocab_size=tok.vocab_size, n_layer=4, n_head=4, n_kv_head=4,
+                                  n_embd=128, sequence_len=512, rms_norm_eps=FP32_EPS, rope_theta=100000.0,
+                                  qk_scale=1.2, window_pattern="SSSL", short_window=128, residual_lambdas=True,
+                                  value_embeds=True, smear=True, backout=True)
         model = init_weights(build_model(cfg), seed=seed, std=0.02).train()
     prompter = ChatPrompter(tok, cfg.sequence_len, FEWSHOT, fmt)
     defaults = ChatDefaults(fewshot=FEWSHOT, temperature=0.0, top_k=None, top_p=1.0, max_tokens=64,
@@ -247,6 +251,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", help="chat: a checkpoint of the first phase; only the later phases run on it")
     p.add_argument("--first-phase", help="chat: also save the model after the first phase here")
+    p.add_argument("--arch", choices=("nanochat", "gpt2"), default="nanochat",
+                   help="chat: the architecture (gpt2: 2 x 128, for serve_config.models.yaml's second chat model)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.which == "chat":
@@ -254,7 +260,8 @@ def main() -> None:
         if args.steps:   # scale every phase to the given total
             total = sum(phase[0] for phase in phases)
             phases = [(max(1, steps * args.steps // total), peak, share) for steps, peak, share in phases]
-        train_chat(args.out or "models/demo-chat", phases, args.seed, args.resume, args.first_phase)
+        train_chat(args.out or ("models/demo-chat" if args.arch == "nanochat" else "models/demo-gpt2"), phases,
+                   args.seed, args.resume, args.first_phase, args.arch)
     else:
         phases = DECISION_PHASES
         if args.steps:   # scale every phase to the given total

@@ -90,16 +90,16 @@ for (const tab of document.querySelectorAll("[role=tab]")) {
   });
 }
 
-// ---- models
-let chatModel = null;
-
+// ---- models: one choice per kind, from /v1/models (aliases left out: they name the same models)
 async function loadModels() {
   try {
     const list = await (await api("v1/models")).json();
-    const chat = list.data.find((m) => m.kind === "chat");
-    const decision = list.data.find((m) => m.kind === "decision" && !m.alias_of);
-    chatModel = chat ? chat.id : null;
-    $("model-name").textContent = [chat && chat.id, decision && decision.id].filter(Boolean).join(" · ");
+    for (const kind of ["chat", "decision"]) {
+      const select = $(`${kind}-model`);
+      select.replaceChildren(...list.data.filter((m) => m.kind === kind && !m.alias_of)
+        .map((m) => { const o = el("option", "", m.id); o.value = m.id; return o; }));
+      select.disabled = select.options.length < 2;
+    }
   } catch (e) {
     if (e.status === 401) askForKey(loadModels);
     showError(e.message);
@@ -204,7 +204,7 @@ async function complete() {
   const reply = {role: "assistant", content: "", parts: []};
   const body = {messages: history(), stream: true, temperature: numberSetting("temperature"),
                 top_k: numberSetting("top-k"), max_tokens: numberSetting("max-tokens"), seed: numberSetting("seed")};
-  if (chatModel) body.model = chatModel;
+  if ($("chat-model").value) body.model = $("chat-model").value;
   conversation.push(reply);
   controller = new AbortController();
   renderConversation();
@@ -520,6 +520,7 @@ async function decide() {
   button.disabled = true;
   button.textContent = "Asking...";
   try {
+    if ($("decision-model").value) built.value.model = $("decision-model").value;
     const response = await api("v1/systemone", {method: "POST", body: JSON.stringify(built.value)});
     showAnswers(await response.json(), built.value);
   } catch (e) {

@@ -1,10 +1,10 @@
-"""The serving path's capacity at a GPU's token rate: the service with the replay engine, CPU per token per process.
+"""The serving path's capacity at a GPU's token rate: the service with the synthetic engine, CPU per token per process.
 
     python -m bench.relay [--seconds 10] [--only chat-32 ...] [--json out.json] [--set KEY=VALUE ...]
 
 On a GPU node the model is ten to fifty times faster than on this CPU and the serving processes are not, so
 what one chat replica and one Ingress can relay is measured here with the engine that generates without a
-model (`chat_engine: replay`, core/chat/replay.py): every running row gets one real token of the demo
+model (`chat_engine: synthetic`, core/chat/synthetic.py): every running row gets one real token of the demo
 checkpoint's tokenizer per step, a step takes `rows / rate` seconds. Everything else is the README's service
 (serve_config.cpu.yaml's application, HAProxy in front, the engine in its own process).
 
@@ -170,7 +170,7 @@ def profile(server, sc: Scenario, py_spy: str, seconds: int) -> dict:
 
 def service_args(setting: Setting, extra: dict) -> tuple[dict, dict]:
     inflight = setting.rows + 16
-    args = {"chat_engine": "replay", "chat_replay_step_s": setting.step_s, "chat_max_rows": setting.rows,
+    args = {"chat_engine": "synthetic", "chat_synthetic_step_s": setting.step_s, "chat_max_rows": setting.rows,
             "max_chat_inflight": inflight, "max_chat_waiting": 64, **extra}
     deployments = {"ChatModel": {"max_ongoing_requests": inflight, "max_queued_requests": 64},
                    "Ingress": {"max_ongoing_requests": inflight + 64, "max_queued_requests": 256}}

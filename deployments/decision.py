@@ -15,8 +15,8 @@ loop and the model took turns on one GIL), or with `decision_process: false` on 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-from collections import Counter as Tally
 
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
@@ -89,7 +89,7 @@ class DecisionModel:
         start = Start(settings.checkpoint, settings.scorer, settings.device, settings.torch_threads)
         self.scorer = start_scorer(start, settings.process)
         self.name, self.aliases = settings.model_name, list(settings.model_aliases)
-        self.batch_sizes: Tally = Tally()
+        self.batch_sizes: collections.Counter[int] = collections.Counter()   # batch size -> how many batches
         self.batch_size_metric = Histogram("decision_batch_size", "Requests per decision batch.",
                                            [1, 2, 4, 8, 16, 32, 64, 128], tag_keys=("model",))
         self.questions_metric = Counter("decision_questions_total", "Questions scored.", tag_keys=("model",))

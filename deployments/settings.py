@@ -73,7 +73,7 @@ class ChatSettings(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _engine_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("engine"), str):   # chat_engine: replay (or model)
+        if isinstance(data, dict) and isinstance(data.get("engine"), str):   # chat_engine: synthetic (or model)
             data = {("engine_kind" if k == "engine" else k): v for k, v in data.items()}
         return _route_into(data, set(cls.model_fields), "engine", EngineConfig)
 

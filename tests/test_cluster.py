@@ -145,10 +145,11 @@ async def chat_whole(url, max_tokens, i=0):
     return ("done" if r.json()["choices"][0]["finish_reason"] else "error"), r.json()["usage"]["completion_tokens"]
 
 
-async def chat_stream(url, max_tokens, i=0, texts=None, pauses=None, progress=None):
+async def chat_stream(url, max_tokens, i=0, texts=None, pauses=None, progress=None, started=None):
     """-> ("done" | "error", chunks received); with `texts`, greedy, and the streamed text goes in texts[i];
     with `pauses`, the longest wait between two lines goes in pauses[i]; with `progress`, progress["last"] is
-    the time of the latest line of any stream that shares it."""
+    the time of the latest line of any stream that shares it; `started` (an asyncio.Event) is set at its first
+    line (a replica runs it)."""
     # a conversation of its own per stream: the affinity router keeps a conversation on one replica, and
     # different ones are spread over both
     body = {"messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": max_tokens, "stream": True}
@@ -159,6 +160,8 @@ async def chat_stream(url, max_tokens, i=0, texts=None, pauses=None, progress=No
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
+                if started is not None:
+                    started.set()
                 now = time.monotonic()
                 pause, last = max(pause, now - last) if last else 0.0, now
                 if progress is not None:
@@ -227,13 +230,18 @@ def test_node_loss_under_load(cluster):
         # as they were answered, they took most of it and the replacement replicas started half as fast)
         load = asyncio.create_task(decision_load(url, stop, results, clients=8, pause_s=0.25))
         streams, ends, started_at = [], [], time.monotonic()
-        for i in range(6):       # one at a time, so the router's view of the replicas' load spreads them
-            streams.append(asyncio.create_task(chat_stream(url, STREAM_TOKENS, i, texts, pauses, progress)))
-            await asyncio.sleep(0.3)
+        async def start_stream() -> None:
+            """One more stream, once it runs on a replica: one at a time, so that the router's view of the
+            replicas' load, which counts the running ones, spreads them."""
+            started = asyncio.Event()
+            streams.append(asyncio.create_task(chat_stream(url, STREAM_TOKENS, len(streams), texts, pauses, progress,
+                                                           started)))
+            await asyncio.wait_for(started.wait(), 120)
+        for _ in range(6):
+            await start_stream()
         busy = await asyncio.to_thread(streaming_replicas, url)
         while len(busy) < 2 and len(streams) < 10:    # the router may still have put them all on one
-            streams.append(asyncio.create_task(chat_stream(url, STREAM_TOKENS, len(streams), texts, pauses, progress)))
-            await asyncio.sleep(0.3)
+            await start_stream()
             busy |= await asyncio.to_thread(streaming_replicas, url, 2)
         assert len(busy) == 2, f"streams must run on both chat replicas, saw {busy}"
         for task in streams:

@@ -19,8 +19,7 @@ from core.chat import protocol as P
 from core.chat.outputs import OutputProcessor, RequestView
 from deployments.openai_requests import ChatCompletionRequest, TextCompletionRequest
 
-EVENT = P.TokenEvent("r1", 0, 17, "hi", "text", False, False, None, 12, 3, 4, -0.5, [(17, -0.5), (3, -1.5)],
-                     P.ShownLogprobs(P.ShownToken("hi", (104, 105), -0.5), (P.ShownToken("hi", (104, 105), -0.5),)))
+EVENT = P.TokenEvent("r1", 0, 17, "hi", "text", False, False, None, 12, 3, 4, -0.5, [(17, -0.5), (3, -1.5)])
 PARAMS = P.SamplingParams(max_tokens=9, temperature=0.7, top_k=5, top_p=0.9, seed=3, n=2, stop=("x",),
                           presence_penalty=0.5, logit_bias={3: 1.5}, logprobs=2)
 MESSAGES = [
@@ -52,7 +51,7 @@ def test_msgpack_records_survive_their_encoding():
                                   prompt_logprobs=[(1, None, None), (2, -1.0, [(2, -1.0), (3, -2.5)])])]
     got = P.decode_events(P.encode_events(events))
     assert got == events and all(type(e) is P.TokenEvent for e in got)
-    message = [P.Delta(2, (17, 18), "hi!", "text", False, "stop", 12, 9, 4, (EVENT.logprobs,) * 2, None),
+    message = [P.Delta(2, (17, 18), "hi!", "text", False, "stop", 12, 9, 4, (P.ShownLogprobs(P.ShownToken("hi", (104, 105), -0.5), (P.ShownToken("hi", (104, 105), -0.5),)),) * 2, None),
                P.Delta(0, (5,), "1+1", "python", True), P.StreamError("full", "overloaded_error", "n", "c")]
     assert P.decode_message(P.encode_message(message)) == message
     with pytest.raises(Exception):

@@ -215,6 +215,11 @@ def test_stop_aborts_and_frees_the_engine(service, open_page):
     expect(reply(page)).not_to_be_empty(timeout=60_000)
     wait_until(lambda: len(reply(page).text_content()) >= 40, 60, "the reply did not grow to 40 characters")
     assert running(service) == 1
+    # the state the click needs: the reply still streaming in the page (Stop enabled, no note on the reply); a
+    # reply that ended another way says how
+    expect(page.locator("#stop")).to_be_enabled(timeout=30_000)
+    assert page.locator(".msg.assistant .note").count() == 0, (page.locator(".msg.assistant .note").all_text_contents(),
+                                                               page.locator("#error").text_content())
     page.click("#stop")
     expect(page.locator(".msg.assistant .note")).to_have_text("stopped")
     wait_until(lambda: running(service) == 0, 20, "the engine still runs the stopped reply", 0.2)

@@ -37,13 +37,13 @@ logger = logging.getLogger(__name__)
 
 def build_engine(start: Start):
     """The engine `start` describes, built in the calling process (torch threads set, weights loaded), or the
-    replay engine (replay.py: the checkpoint's tokenizer, no model, no torch)."""
-    if start.config.kind == "replay":
+    synthetic engine (synthetic.py: the checkpoint's tokenizer, no model, no torch)."""
+    if start.config.kind == "synthetic":
         from .checkpoint import load_chat_tokenizer
-        from .replay import ReplayEngine
+        from .synthetic import SyntheticEngine
 
         tok, cfg = load_chat_tokenizer(start.checkpoint)
-        return ReplayEngine(tok, cfg.sequence_len, cfg.vocab_size, start.config)
+        return SyntheticEngine(tok, cfg.sequence_len, cfg.vocab_size, start.config)
     import torch
 
     from .engine import LLMEngine
@@ -64,7 +64,7 @@ def build_engine(start: Start):
 
 
 def torch_threads() -> int:
-    """torch's intra-op threads in this process; 0 when it has not imported torch (the replay engine)."""
+    """torch's intra-op threads in this process; 0 when it has not imported torch (the synthetic engine)."""
     torch = sys.modules.get("torch")
     return torch.get_num_threads() if torch is not None else 0
 

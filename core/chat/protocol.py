@@ -1,15 +1,16 @@
 """The chat protocol: every record that crosses a boundary of the chat path, in one torch-free module.
 
     Ingress --GenerateRequest--> ChatModel deployment --Add/Abort/Stop--> engine process
-    Ingress <--[TokenEvent | StreamError]-- ChatModel <--Events/Rejected/Stats-- engine process
+    Ingress <--[Delta | StreamError]-- ChatModel <--[TokenEvent] / Rejected / Stats-- engine process
 
 - `SamplingParams` is built once, at the HTTP boundary (the request models' `to_params`), and checked once,
   here: the limits below are the only ones (the HTTP schema quotes them).
 - `GenerateRequest` is what the chat deployment's `generate` takes: a conversation or raw prompts, the
   parameters, and the tokens of an earlier run to continue from (`resume`).
-- `TokenEvent` is one token (or the end) of one sample; the engine emits them and they travel unchanged to the
-  Ingress, with `logprobs` filled in by the chat deployment (it has the tokenizer). A failure the client must
-  see travels as a `StreamError` in the same lists.
+- `TokenEvent` is one token (or the end) of one sample, as the engine emits it; the chat deployment (which has
+  the tokenizer) turns a stream's events into `Delta`s, each a run of tokens with their text and logprobs as
+  clients see them, and sends those to the Ingress. A failure the client must see travels as a `StreamError`
+  in the same lists.
 - The engine process's messages (`Start` ... `Stats`) are small records the two sides match on by type.
 
 Records are frozen msgspec Structs (as vLLM's engine core uses): they pickle about as fast as plain dicts, and
@@ -38,7 +39,7 @@ GREEDY_BELOW = 1e-5             # a temperature below this is greedy, its limit 
                                 # the logits by it would overflow them
 
 CPU_POLICIES = ("normal", "idle")   # for the engine process: see engine_process.set_cpu_policy
-ENGINE_KINDS = ("model", "replay")  # the checkpoint's model, or replay.py's engine without one (benchmarks)
+ENGINE_KINDS = ("model", "synthetic")  # the checkpoint's model, or synthetic.py's engine without one (benchmarks)
 DTYPES = ("auto", "float32", "bfloat16")   # EngineConfig.dtype
 H200_STEP_S = 0.00125               # one decode step of the demo model on an H200 (docs/deployment.md)
 
@@ -220,7 +221,8 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class TokenEvent(msgspec.Struct, frozen=True, array_like=True):
-    """One token of one sample, or the end of a sample (`finish_reason` set, `token` None)."""
+    """One token of one sample, or the end of a sample (`finish_reason` set, `token` None). Encoded as an array of
+    its 14 values (msgspec 0.23 writes the defaults of an array-like struct too: `omit_defaults` leaves them)."""
 
     request_id: str
     index: int                      # sample index within the request (choice index at the Serve hop)
@@ -235,11 +237,9 @@ class TokenEvent(msgspec.Struct, frozen=True, array_like=True):
     cached_tokens: int = 0          # prompt tokens whose keys and values were reused, not computed
     logprob: float | None = None    # of a sampled token, when the request asked for logprobs
     top_logprobs: list[tuple[int, float]] | None = None   # (token id, logprob), most probable first
-    logprobs: ShownLogprobs | None = None   # the same as clients see it (set by the chat deployment)
     # with prompt_logprobs, on the first event of a prompt's first sample: per prompt position (token id, its
     # logprob, the most probable (token id, logprob)); the first position's logprob and list are None
     prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] | None = None
-    prompt_entries: tuple[ShownLogprobs, ...] | None = None   # the same as clients see them (the chat deployment's)
 
     @property
     def shows_output(self) -> bool:
@@ -338,8 +338,8 @@ class EngineConfig:
     process: bool = True            # step the engine in a child process (engine_process.py), not on a thread
     torch_threads: int | None = None   # torch's intra-op threads for the model (None: torch's choice)
     cpu_policy: Literal["normal", "idle"] = "normal"   # "idle": the engine process runs under SCHED_IDLE
-    kind: Literal["model", "replay"] = "model"   # "replay": replay.py's engine, no model (benchmarks and tests)
-    replay_step_s: float = H200_STEP_S          # the replay engine's step time (one token per running row)
+    kind: Literal["model", "synthetic"] = "model"   # "synthetic": synthetic.py's engine, no model (benchmarks and tests)
+    synthetic_step_s: float = H200_STEP_S          # the synthetic engine's step time (one token per running row)
     packed_linear: bool = True      # on the CPU, linear layers through oneDNN with weights packed once (packed.py)
     # on the CPU, decode reads a prefix that rows hold as copies of one row (prefix-cache hits, n samples) once
     # for all of them (attention.py); the same results either way
@@ -354,8 +354,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:
             raise ValueError(f"the chat engine is one of {list(ENGINE_KINDS)}, not {self.kind!r}")
-        if not 0 <= self.replay_step_s <= 10:
-            raise ValueError(f"replay_step_s must be in [0, 10] seconds, got {self.replay_step_s}")
+        if not 0 <= self.synthetic_step_s <= 10:
+            raise ValueError(f"synthetic_step_s must be in [0, 10] seconds, got {self.synthetic_step_s}")
         if self.attention_threads is not None and self.attention_threads < 1:
             raise ValueError(f"attention_threads must be at least 1 (or None: every core), got {self.attention_threads}")
         if self.cpu_policy not in CPU_POLICIES:

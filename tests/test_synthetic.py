@@ -1,4 +1,4 @@
-"""The replay engine (chat_engine: replay): no model, real tokens, the engine's scheduling and output side."""
+"""The synthetic engine (chat_engine: synthetic): no model, real tokens, the engine's scheduling and output side."""
 import asyncio
 
 import pytest
@@ -6,15 +6,15 @@ import pytest
 from core.chat.async_engine import AsyncEngine
 from core.chat.engine_process import ProcessEngine
 from core.chat.protocol import EngineConfig, EngineError, SamplingParams, Start
-from core.chat.replay import TEXT, ReplayEngine
+from core.chat.synthetic import TEXT, SyntheticEngine
 from deployments.settings import AppArgs
 
 SEQ = 512
 
 
 @pytest.fixture
-def replay(tokenizer):
-    return ReplayEngine(tokenizer, SEQ, tokenizer.vocab_size, EngineConfig(kind="replay", max_rows=8, replay_step_s=0))
+def synthetic(tokenizer):
+    return SyntheticEngine(tokenizer, SEQ, tokenizer.vocab_size, EngineConfig(kind="synthetic", max_rows=8, synthetic_step_s=0))
 
 
 def drain(engine, limit=10_000):
@@ -31,12 +31,12 @@ def tokens(events, index=0):
     return [ev.token for ev in events if ev.index == index and ev.token is not None]
 
 
-def test_seeded_tokens_come_from_the_text_and_repeat(replay, tokenizer):
+def test_seeded_tokens_come_from_the_text_and_repeat(synthetic, tokenizer):
     p = SamplingParams(max_tokens=40, seed=7)
-    replay.add_request([1, 2, 3], p, "a")
-    replay.add_request([1, 2, 3], p, "b")
-    replay.add_request([1, 2, 3], SamplingParams(max_tokens=40, seed=8), "c")
-    out, _ = drain(replay)
+    synthetic.add_request([1, 2, 3], p, "a")
+    synthetic.add_request([1, 2, 3], p, "b")
+    synthetic.add_request([1, 2, 3], SamplingParams(max_tokens=40, seed=8), "c")
+    out, _ = drain(synthetic)
     a, b, c = tokens(out["a"]), tokens(out["b"]), tokens(out["c"])
     assert len(a) == 40 and a == b and a != c
     text = tokenizer.encode(TEXT)
@@ -46,58 +46,58 @@ def test_seeded_tokens_come_from_the_text_and_repeat(replay, tokenizer):
     assert out["a"][-1].finish_reason == "length" and out["a"][-1].completion_tokens == 40
 
 
-def test_one_token_per_row_per_step_and_rows_bound_concurrency(replay):
+def test_one_token_per_row_per_step_and_rows_bound_concurrency(synthetic):
     for i in range(10):                           # 8 rows: two requests wait for rows
-        replay.add_request([5, 6], SamplingParams(max_tokens=5), f"r{i}")
+        synthetic.add_request([5, 6], SamplingParams(max_tokens=5), f"r{i}")
     per_step = []
-    while replay.has_work():
-        per_step.append(sum(1 for ev in replay.step() if ev.token is not None))
+    while synthetic.has_work():
+        per_step.append(sum(1 for ev in synthetic.step() if ev.token is not None))
     assert max(per_step) == 8
     assert per_step[:5] == [8] * 5 and sum(per_step) == 50
 
 
-def test_n_samples_have_their_own_tokens(replay):
-    replay.add_request([1, 2], SamplingParams(max_tokens=12, n=4, seed=3), "n")
-    out, _ = drain(replay)
+def test_n_samples_have_their_own_tokens(synthetic):
+    synthetic.add_request([1, 2], SamplingParams(max_tokens=12, n=4, seed=3), "n")
+    out, _ = drain(synthetic)
     runs = [tokens(out["n"], i) for i in range(4)]
     assert all(len(r) == 12 for r in runs) and len({tuple(r) for r in runs}) == 4
     assert sorted(ev.index for ev in out["n"] if ev.finish_reason) == [0, 1, 2, 3]
 
 
-def test_resume_continues_the_run(replay):
+def test_resume_continues_the_run(synthetic):
     p = SamplingParams(max_tokens=30, seed=11)
-    replay.add_request([9, 9, 9], p, "full")
-    full = tokens(drain(replay)[0]["full"])
-    replay.add_request([9, 9, 9], p, "cont", resume=full[:12])
-    out = drain(replay)[0]["cont"]
+    synthetic.add_request([9, 9, 9], p, "full")
+    full = tokens(drain(synthetic)[0]["full"])
+    synthetic.add_request([9, 9, 9], p, "cont", resume=full[:12])
+    out = drain(synthetic)[0]["cont"]
     assert tokens(out) == full[12:]
     assert out[-1].completion_tokens == 30
 
 
-def test_stop_strings_logprobs_and_prompt_logprobs(replay, tokenizer):
+def test_stop_strings_logprobs_and_prompt_logprobs(synthetic, tokenizer):
     p = SamplingParams(max_tokens=60, seed=1, logprobs=3, stop=("e",))
-    replay.add_request([1, 2, 3], p, "s")
-    out = drain(replay)[0]["s"]
+    synthetic.add_request([1, 2, 3], p, "s")
+    out = drain(synthetic)[0]["s"]
     assert out[-1].finish_reason == "stop" and "e" not in "".join(ev.text for ev in out)
     sampled = [ev for ev in out if ev.token is not None]
     assert all(ev.logprob is not None and len(ev.top_logprobs) == 3 and ev.top_logprobs[0][0] == ev.token
                for ev in sampled)
-    replay.add_request([4, 5, 6], SamplingParams(max_tokens=0, prompt_logprobs=1), "score")
-    (finish,) = drain(replay)[0]["score"]
+    synthetic.add_request([4, 5, 6], SamplingParams(max_tokens=0, prompt_logprobs=1), "score")
+    (finish,) = drain(synthetic)[0]["score"]
     assert finish.finish_reason == "length" and [t for t, _, _ in finish.prompt_logprobs] == [4, 5, 6]
     assert finish.prompt_logprobs[0][1] is None and finish.prompt_logprobs[1][1] is not None
 
 
-def test_refuses_what_needs_a_model_and_aborts(replay):
+def test_refuses_what_needs_a_model_and_aborts(synthetic):
     with pytest.raises(EngineError, match="structured output"):
-        replay.add_request([1], SamplingParams(grammar='start: "a"'))
+        synthetic.add_request([1], SamplingParams(grammar='start: "a"'))
     with pytest.raises(EngineError, match="context"):
-        replay.add_request([1] * SEQ, SamplingParams())
-    replay.add_request([1, 2], SamplingParams(max_tokens=100), "x")
-    replay.step()
-    replay.abort("x")
-    out, _ = drain(replay)
-    assert out["x"][-1].finish_reason == "abort" and not replay.has_work()
+        synthetic.add_request([1] * SEQ, SamplingParams())
+    synthetic.add_request([1, 2], SamplingParams(max_tokens=100), "x")
+    synthetic.step()
+    synthetic.abort("x")
+    out, _ = drain(synthetic)
+    assert out["x"][-1].finish_reason == "abort" and not synthetic.has_work()
 
 
 def test_steps_are_paced(tokenizer, monkeypatch):
@@ -115,8 +115,8 @@ def test_steps_are_paced(tokenizer, monkeypatch):
             self.now += seconds
 
     clock = Clock()
-    monkeypatch.setattr("core.chat.replay.time", clock)
-    engine = ReplayEngine(tokenizer, SEQ, tokenizer.vocab_size, EngineConfig(kind="replay", replay_step_s=0.005))
+    monkeypatch.setattr("core.chat.synthetic.time", clock)
+    engine = SyntheticEngine(tokenizer, SEQ, tokenizer.vocab_size, EngineConfig(kind="synthetic", synthetic_step_s=0.005))
     engine.add_request([1], SamplingParams(max_tokens=20), "p")
     for _ in range(3):
         engine.step()
@@ -128,18 +128,18 @@ def test_steps_are_paced(tokenizer, monkeypatch):
     assert clock.slept == [0.005, 0.005, 0.004, 0.005]
 
 
-def test_settings_select_the_replay_engine():
-    chat = AppArgs.model_validate({"chat_engine": "replay", "chat_replay_step_s": 0.002, "chat_max_rows": 64}).chat
-    assert chat.engine.kind == "replay" and chat.engine.replay_step_s == 0.002 and chat.engine.max_rows == 64
+def test_settings_select_the_synthetic_engine():
+    chat = AppArgs.model_validate({"chat_engine": "synthetic", "chat_synthetic_step_s": 0.002, "chat_max_rows": 64}).chat
+    assert chat.engine.kind == "synthetic" and chat.engine.synthetic_step_s == 0.002 and chat.engine.max_rows == 64
     assert AppArgs.model_validate({}).chat.engine.kind == "model"
-    with pytest.raises(ValueError, match="replay"):
+    with pytest.raises(ValueError, match="synthetic"):
         AppArgs.model_validate({"chat_engine": "fast"})
 
 
-def test_process_engine_replays_without_torch(chat_checkpoint):
+def test_process_engine_runs_the_synthetic_engine_without_torch(chat_checkpoint):
     """Behind the engine process boundary, as the service runs it: no torch in the engine process, and the
     stream is the same as the engine's own on a thread."""
-    config = EngineConfig(kind="replay", max_rows=4, replay_step_s=0)
+    config = EngineConfig(kind="synthetic", max_rows=4, synthetic_step_s=0)
     params = SamplingParams(max_tokens=25, seed=5, n=2)
 
     async def collect(client):
@@ -150,7 +150,7 @@ def test_process_engine_replays_without_torch(chat_checkpoint):
 
     pe = ProcessEngine(Start(chat_checkpoint, None, config))
     try:
-        assert pe.info.device == "replay" and pe.info.torch_threads == 0
+        assert pe.info.device == "synthetic" and pe.info.torch_threads == 0
         with open(f"/proc/{pe.pid}/maps") as f:
             assert "libtorch" not in f.read()
         remote = asyncio.run(asyncio.wait_for(collect(pe), 30))
@@ -158,7 +158,7 @@ def test_process_engine_replays_without_torch(chat_checkpoint):
         pe.shutdown()
     from core.chat import load_chat_tokenizer
     tok, cfg = load_chat_tokenizer(chat_checkpoint)
-    local = AsyncEngine(ReplayEngine(tok, cfg.sequence_len, cfg.vocab_size, config))
+    local = AsyncEngine(SyntheticEngine(tok, cfg.sequence_len, cfg.vocab_size, config))
     try:
         here = asyncio.run(asyncio.wait_for(collect(local), 30))
     finally:

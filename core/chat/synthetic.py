@@ -1,8 +1,8 @@
-"""A chat engine without a model, for benchmarks and tests of the serving path: `chat_engine: replay`.
+"""A chat engine without a model, for benchmarks and tests of the serving path: `chat_engine: synthetic`.
 
-`ReplayEngine` has the interface of `LLMEngine` (add_request, abort, has_work, step, stats, fail_all) and its
+`SyntheticEngine` has the interface of `LLMEngine` (add_request, abort, has_work, step, stats, fail_all) and its
 scheduling (scheduler.py: rows, the waiting queue, admission in arrival order) and output side (outputs.py:
-the text decoder, stop strings, finishes), but no weights and no torch. Each step takes `replay_step_s` (an
+the text decoder, stop strings, finishes), but no weights and no torch. Each step takes `synthetic_step_s` (an
 H200's step by default: 1.25 ms, so 32 rows make 25,600 tokens/s) and gives every running sample one token;
 a prompt is "prefilled" at once, its first token in the step that admits it. The tokens are real tokens of the
 checkpoint's tokenizer: a fixed English text, encoded once, that each sample reads from its own starting point
@@ -44,23 +44,23 @@ TEXT = (
 
 @dataclass(frozen=True, slots=True)
 class ReplayLogprob:
-    """A made-up log-probability for a replayed token, in the shape the output side reads (LogprobResult's)."""
+    """A made-up log-probability for a synthetic token, in the shape the output side reads (LogprobResult's)."""
 
     logprob: float
     top: list[tuple[int, float]]
 
 
-class ReplayEngine:
+class SyntheticEngine:
     def __init__(self, tokenizer: ChatTokenizer, sequence_len: int, vocab_size: int,
                  config: EngineConfig | None = None, prefix_ids: list[int] | None = None):
         """`prefix_ids` (the few-shot prefix) is accepted and not used: nothing is computed for a prompt."""
-        config = config or EngineConfig(kind="replay")
+        config = config or EngineConfig(kind="synthetic")
         self.config = config
         self.tok, self.sequence_len, self.vocab_size = tokenizer, sequence_len, vocab_size
         self.linear = self.attention = self.dtype = "none"     # no model (LLMEngine's say how a model runs)
         self.max_rows = config.max_rows
-        self.step_s = config.replay_step_s
-        self.device = "replay"
+        self.step_s = config.synthetic_step_s
+        self.device = "synthetic"
         self.text = tokenizer.encode(TEXT)
         self.outputs = OutputProcessor(tokenizer, sequence_len)
         # nothing is cached: prefix caching would only make admission search rows that hold nothing
@@ -72,12 +72,12 @@ class ReplayEngine:
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     resume: list[int] | None = None) -> str:
         if params.grammar is not None:
-            raise EngineError("the replay engine (chat_engine: replay, for benchmarks) has no model and cannot "
+            raise EngineError("the synthetic engine (chat_engine: synthetic, for benchmarks) has no model and cannot "
                               "follow a structured output (tools or response_format)")
         max_new = check_request(prompt, params, self.sequence_len, self.vocab_size, self.max_rows)
         if resume:
             check_resume(resume, params, max_new, self.vocab_size, self.outputs.stop_tokens)
-        rid = request_id or f"replay-{next(_ids)}"
+        rid = request_id or f"synthetic-{next(_ids)}"
         samples = [Sample(row_rng(params.seed, i), self.outputs.new_sample(i)) for i in range(params.n)]
         self.scheduler.add(Request(rid, list(prompt), params, max_new, samples, list(resume or [])))
         return rid

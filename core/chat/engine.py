@@ -37,7 +37,7 @@ from .outputs import OutputProcessor
 from .packed import PackedLinear, pack_linears
 from .protocol import EngineConfig, EngineStats, SamplingParams, TokenEvent
 from .sampler import sample
-from .scheduler import Request, Sample, Scheduler, check_request, check_resume, row_rng
+from .scheduler import Request, Sample, Scheduler, new_request
 from .tokenizer import ChatTokenizer
 
 logger = logging.getLogger(__name__)
@@ -119,18 +119,13 @@ class LLMEngine:
                     resume: list[int] | None = None) -> str:
         """Queue a request; -> its id. resume: the tokens an earlier run of this prompt and these parameters had
         generated; the request continues that run (events for the new tokens only; token counts include them)."""
-        max_new = check_request(prompt, params, self.sequence_len, self.vocab_size, self.max_rows)
-        if resume:
-            check_resume(resume, params, max_new, self.vocab_size, self.outputs.stop_tokens)
-            if params.prompt_logprobs is not None:       # the run it continues delivered them
-                params = msgspec.structs.replace(params, prompt_logprobs=None)
-        rid = request_id or f"req-{next(_ids)}"
-        samples = [Sample(row_rng(params.seed, i), self.outputs.new_sample(i)) for i in range(params.n)]
+        req = new_request(request_id or f"req-{next(_ids)}", prompt, params, resume, self.sequence_len,
+                          self.vocab_size, self.max_rows, self.outputs)
         if params.grammar is not None:
-            for s, m in zip(samples, self.grammars.matchers(params.grammar, params.n)):
+            for s, m in zip(req.samples, self.grammars.matchers(params.grammar, params.n)):
                 s.matcher = m
-        self.scheduler.add(Request(rid, list(prompt), params, max_new, samples, list(resume or [])))
-        return rid
+        self.scheduler.add(req)
+        return req.id
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its rows are freed at the next step."""

@@ -17,6 +17,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from .outputs import SampleOutput
 from .prefix_index import BLOCK, RowPool
 from .protocol import EngineConfig, EngineFull, EngineError, SamplingError, SamplingParams
@@ -61,6 +63,20 @@ def check_resume(resume: list[int], params: SamplingParams, max_new: int, vocab_
         raise EngineError("continued token ids must be in the vocabulary")
     if not params.ignore_eos and stop_tokens & set(resume):
         raise EngineError("the generation continued from has already ended")
+
+
+def new_request(rid: str, prompt: list[int], params: SamplingParams, resume: list[int] | None, sequence_len: int,
+                vocab_size: int, max_rows: int, outputs) -> "Request":
+    """A request as an engine's add_request takes it, checked (check_request, check_resume): its samples, each
+    with its random stream and output state (`outputs`: the engine's OutputProcessor). A continued run does not
+    score its prompt again: the run it continues delivered that."""
+    max_new = check_request(prompt, params, sequence_len, vocab_size, max_rows)
+    if resume:
+        check_resume(resume, params, max_new, vocab_size, outputs.stop_tokens)
+        if params.prompt_logprobs is not None:
+            params = msgspec.structs.replace(params, prompt_logprobs=None)
+    samples = [Sample(row_rng(params.seed, i), outputs.new_sample(i)) for i in range(params.n)]
+    return Request(rid, list(prompt), params, max_new, samples, list(resume or []))
 
 
 @dataclass

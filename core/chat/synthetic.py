@@ -24,7 +24,7 @@ import msgspec
 
 from .outputs import OutputProcessor
 from .protocol import EngineConfig, EngineError, EngineStats, SamplingParams, TokenEvent
-from .scheduler import Request, Sample, Scheduler, check_request, check_resume, row_rng
+from .scheduler import Request, Sample, Scheduler, new_request
 from .tokenizer import ChatTokenizer
 
 _ids = itertools.count()
@@ -74,13 +74,10 @@ class SyntheticEngine:
         if params.grammar is not None:
             raise EngineError("the synthetic engine (chat_engine: synthetic, for benchmarks) has no model and cannot "
                               "follow a structured output (tools or response_format)")
-        max_new = check_request(prompt, params, self.sequence_len, self.vocab_size, self.max_rows)
-        if resume:
-            check_resume(resume, params, max_new, self.vocab_size, self.outputs.stop_tokens)
-        rid = request_id or f"synthetic-{next(_ids)}"
-        samples = [Sample(row_rng(params.seed, i), self.outputs.new_sample(i)) for i in range(params.n)]
-        self.scheduler.add(Request(rid, list(prompt), params, max_new, samples, list(resume or [])))
-        return rid
+        req = new_request(request_id or f"synthetic-{next(_ids)}", prompt, params, resume, self.sequence_len,
+                          self.vocab_size, self.max_rows, self.outputs)
+        self.scheduler.add(req)
+        return req.id
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

@@ -29,7 +29,7 @@ from tools import demo_data as D
 MULTITURN_TURNS = 8
 from core.chat import ChatPrompter, SamplingParams, load_chat_defaults, load_chat_tokenizer
 from core.chat.engine_process import start_engine
-from core.chat.protocol import EngineConfig, Start
+from core.chat.protocol import EngineConfig, EngineStart
 
 
 async def closed_loop(engine, prompter, clients, per_client, max_tokens, turns, ignore_eos):
@@ -120,7 +120,7 @@ def main():
     for cache in args.prefix_caching:
         config = EngineConfig(prefill_chunk=args.prefill_chunk, torch_threads=args.torch_threads,
                               prefix_caching=cache == "on", process=args.front == "process")
-        engine = start_engine(Start(args.checkpoint, args.device, config, tuple(prompter.prefix_ids)))
+        engine = start_engine(EngineStart(args.checkpoint, args.device, config, tuple(prompter.prefix_ids)))
         try:
             asyncio.run(closed_loop(engine, prompter, 2, 1, 8, 0, False))     # warm-up
             for name in args.workloads:

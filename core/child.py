@@ -2,10 +2,10 @@
 
 Both models run this way (core/chat/engine_process.py, core/decision/process.py): in the replica's process,
 the model's many small torch operations and the replica's event loop would take turns on one GIL. The
-parent starts `python -m <module> <fd>` with one end of a socket pair, sends its Start record, and waits for
-Ready (or Failed, whose message it raises). Records are pickled by multiprocessing's Connection. The child
-exits when told to stop or when the socket closes, so it does not outlive its parent; the parent stops it by
-its pid.
+parent starts `python -m <module> <fd>` with one end of a socket pair, sends its start record (EngineStart,
+ScorerStart), and waits for its ready record (EngineReady, ScorerReady) or `Failed`, whose message it raises.
+Records are pickled by multiprocessing's Connection. The child exits when sent `Stop` or when the socket
+closes, so it does not outlive its parent; the parent stops it by its pid.
 """
 from __future__ import annotations
 
@@ -18,7 +18,19 @@ import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 
+import msgspec
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # holds the `core` package
+
+
+class Failed(msgspec.Struct, frozen=True):
+    """child -> parent, once, instead of its ready record: building the model failed (the traceback)."""
+
+    message: str
+
+
+class Stop(msgspec.Struct, frozen=True):
+    """parent -> child: stop and exit."""
 
 
 class Child:

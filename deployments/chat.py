@@ -25,7 +25,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from core.chat import ChatPrompter, PromptError, load_chat_defaults, load_chat_tokenizer
 from core.chat.engine_process import start_engine
 from core.chat.protocol import (ENGINE_STOPPED_CODE, ChatModelInfo, EngineDied, EngineError, EngineFull, EngineStats, GenerateRequest,
-                                SamplingError, Start, StreamError, TokenEvent, encode_message)
+                                SamplingError, EngineStart, StreamError, TokenEvent, encode_message)
 
 from .deltas import deltas
 from .settings import ChatSettings, checkpoint_time
@@ -136,7 +136,7 @@ async def numbered(stream) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
 @serve.deployment(name="ChatModel")
 class ChatModel:
     def __init__(self, settings: ChatSettings, start_engine=start_engine):
-        """settings: the chat part of AppArgs. start_engine(Start, on_stats) -> an EngineClient (the engine's
+        """settings: the chat part of AppArgs. start_engine(EngineStart, on_stats) -> an EngineClient (the engine's
         client; tests hand a scripted one)."""
         self.settings = settings
         self.defaults = load_chat_defaults(settings.checkpoint)
@@ -145,7 +145,7 @@ class ChatModel:
         tok, cfg = load_chat_tokenizer(settings.checkpoint)
         self.tok, self.sequence_len = tok, cfg.sequence_len
         self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot, self.defaults.tool_format)
-        start = Start(settings.checkpoint, settings.device, settings.engine, tuple(self.prompter.prefix_ids))
+        start = EngineStart(settings.checkpoint, settings.device, settings.engine, tuple(self.prompter.prefix_ids))
         self.engine = start_engine(start, on_stats=self.metrics.engine_stats, hold=settings.hold)
         self.fallback = 1 if self.engine.linear == "torch-fallback" else 0
         self.metrics.linear_fallback.set(self.fallback)

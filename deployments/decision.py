@@ -23,7 +23,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from core.decision import DecisionValidationError
 from core.decision.types import DecisionModelInfo
-from core.decision.process import Start, start_scorer
+from core.decision.process import ScorerStart, start_scorer
 
 from .errors import error
 from .settings import BatchSettings, DecisionSettings, checkpoint_time
@@ -86,7 +86,7 @@ class DecisionModel:
     def __init__(self, settings: DecisionSettings):
         """settings: the decision part of AppArgs; its `scorer` record goes to the scorer whole."""
         # torch_threads None: Ray's OMP_NUM_THREADS (the replica's whole CPUs, at least 1), which the child inherits
-        start = Start(settings.checkpoint, settings.scorer, settings.device, settings.torch_threads)
+        start = ScorerStart(settings.checkpoint, settings.scorer, settings.device, settings.torch_threads)
         self.scorer = start_scorer(start, settings.process)
         self.name, self.aliases = settings.model_name, list(settings.model_aliases)
         self.batch_sizes: collections.Counter[int] = collections.Counter()   # batch size -> how many batches

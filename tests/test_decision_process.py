@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from core.decision import DecisionConfig, DecisionValidationError, StartLuxDecision
-from core.decision.process import ProcessScorer, ScorerDied, Start, ThreadScorer
+from core.decision.process import ProcessScorer, ScorerDied, ScorerStart, ThreadScorer
 from tests.conftest import unreadable_records
 from tests.decision_fixtures import build_checkpoint
 
@@ -27,7 +27,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def child(ckpt):
-    scorer = ProcessScorer(Start(ckpt, DecisionConfig(max_batch_tokens=512), "cpu", 1))
+    scorer = ProcessScorer(ScorerStart(ckpt, DecisionConfig(max_batch_tokens=512), "cpu", 1))
     yield scorer
     scorer.shutdown()
 
@@ -63,7 +63,7 @@ def test_overlapping_calls_each_get_their_own_answers(child):
 
 
 def test_thread_scorer_gives_the_same(ckpt, child):
-    thread = ThreadScorer(Start(ckpt, DecisionConfig(max_batch_tokens=512), "cpu", None))
+    thread = ThreadScorer(ScorerStart(ckpt, DecisionConfig(max_batch_tokens=512), "cpu", None))
     got, ref = asyncio.run(thread.decide_batch(REQUESTS[:2])), asyncio.run(child.decide_batch(REQUESTS[:2]))
     assert [list(a) for a, _ in got] == [list(a) for a, _ in ref]
     assert [u["input_tokens"] for _, u in got] == [u["input_tokens"] for _, u in ref]     # (the child's cache is warm)
@@ -71,7 +71,7 @@ def test_thread_scorer_gives_the_same(ckpt, child):
 
 
 def test_a_dead_child_fails_its_calls_and_reports_itself(ckpt):
-    scorer = ProcessScorer(Start(ckpt, DecisionConfig(), "cpu", 1))
+    scorer = ProcessScorer(ScorerStart(ckpt, DecisionConfig(), "cpu", 1))
     try:
         assert scorer.alive()
         os.kill(scorer.pid, signal.SIGKILL)
@@ -89,7 +89,7 @@ def test_a_dead_child_fails_its_calls_and_reports_itself(ckpt):
 
 def test_a_child_that_cannot_load_says_why(tmp_path):
     with pytest.raises(RuntimeError, match="failed to start"):
-        ProcessScorer(Start(str(tmp_path / "missing"), DecisionConfig(), "cpu", 1))
+        ProcessScorer(ScorerStart(str(tmp_path / "missing"), DecisionConfig(), "cpu", 1))
 
 
 def test_batch_merger_runs_what_came_meanwhile_as_one_call():
@@ -158,7 +158,7 @@ def test_memory_return_gives_freed_heap_pages_back():
 
 def test_the_child_returns_memory_between_batches(ckpt):
     # an interval that has always passed by the next batch: a return after every batch
-    scorer = ProcessScorer(Start(ckpt, DecisionConfig(max_batch_tokens=512), "cpu", 1, return_memory_s=1e-9))
+    scorer = ProcessScorer(ScorerStart(ckpt, DecisionConfig(max_batch_tokens=512), "cpu", 1, return_memory_s=1e-9))
     try:
         for _ in range(3):        # each Done counts the returns before it: the one after the 2nd shows in the 3rd
             asyncio.run(scorer.decide_batch(REQUESTS[:1]))
@@ -173,7 +173,7 @@ def test_an_unreadable_record_fails_the_call_instead_of_hanging(ckpt, monkeypatc
     the waiting call fails with ScorerDied, the scorer reports itself dead, and nothing hangs."""
     from core.decision import process
 
-    scorer = ProcessScorer(Start(ckpt, DecisionConfig(max_batch_tokens=512), "cpu", 1))
+    scorer = ProcessScorer(ScorerStart(ckpt, DecisionConfig(max_batch_tokens=512), "cpu", 1))
     try:
         unreadable_records(monkeypatch, process, "Done")
         with pytest.raises(ScorerDied):

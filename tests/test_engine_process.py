@@ -13,7 +13,7 @@ import pytest
 from core.chat import EngineError, EngineFull, LLMEngine, SamplingParams, load_chat_model, save_chat_model
 from core.chat.async_engine import AsyncEngine, EngineClient, StreamHold
 from core.chat.engine_process import ProcessEngine, start_engine
-from core.chat.protocol import (EngineConfig, EngineDied, GenerateRequest, SamplingParams as Params, Start, StreamError,
+from core.chat.protocol import (EngineConfig, EngineDied, GenerateRequest, SamplingParams as Params, EngineStart, StreamError,
                                 TokenEvent, decode_message)
 from tests.conftest import tiny_model, unreadable_records
 from tests.waiting import until, wait_until
@@ -30,7 +30,7 @@ def checkpoint(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    pe = ProcessEngine(Start(checkpoint, "cpu", EngineConfig(max_rows=4, torch_threads=1, dtype="float32")))
+    pe = ProcessEngine(EngineStart(checkpoint, "cpu", EngineConfig(max_rows=4, torch_threads=1, dtype="float32")))
     yield pe
     pe.shutdown()
     assert pe.proc.returncode is not None
@@ -81,7 +81,7 @@ def test_the_engine_process_runs_a_large_model_packed(tmp_path, tokenizer):
     model = tiny_model("gpt2", tokenizer, n_layer=1, n_head=6, n_kv_head=6, n_embd=384, std=0.2)
     assert 4 * 384 * 384 >= MIN_WEIGHT                  # its MLP's layers are over the packing limit
     save_chat_model(path, model, tokenizer)
-    pe = ProcessEngine(Start(path, "cpu", EngineConfig(max_rows=4, torch_threads=1, dtype="float32")))
+    pe = ProcessEngine(EngineStart(path, "cpu", EngineConfig(max_rows=4, torch_threads=1, dtype="float32")))
     try:
         assert pe.linear == "onednn-packed"
         tokens = run(stream_tokens(pe, [5, 6, 7], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)))
@@ -115,7 +115,7 @@ def test_refusals_are_raised_from_generate(engine, checkpoint):
     with pytest.raises(EngineError, match="exceeds"):
         run(first([3], SamplingParams(n=5)))
     # a full waiting queue: one row, one waiting slot, three requests
-    small = ProcessEngine(Start(checkpoint, "cpu", EngineConfig(max_rows=1, max_waiting=1)))
+    small = ProcessEngine(EngineStart(checkpoint, "cpu", EngineConfig(max_rows=1, max_waiting=1)))
 
     async def crowd():
         hold = small.generate([1, 2], SamplingParams(max_tokens=400, ignore_eos=True))
@@ -153,7 +153,7 @@ def test_leaving_a_stream_frees_its_rows(engine):
 
 
 def test_a_dead_engine_ends_open_streams(checkpoint):
-    pe = ProcessEngine(Start(checkpoint, "cpu", EngineConfig(max_rows=2)))
+    pe = ProcessEngine(EngineStart(checkpoint, "cpu", EngineConfig(max_rows=2)))
 
     async def main():
         agen = pe.generate([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
@@ -177,7 +177,7 @@ def test_an_unreadable_record_ends_open_streams_instead_of_hanging(checkpoint, m
     the open stream fails with EngineDied, the engine reports itself dead, and nothing hangs."""
     from core.chat import protocol
 
-    pe = ProcessEngine(Start(checkpoint, "cpu", EngineConfig(max_rows=2)))
+    pe = ProcessEngine(EngineStart(checkpoint, "cpu", EngineConfig(max_rows=2)))
     try:
         unreadable_records(monkeypatch, protocol, "Stats")    # sent after the first step
         with pytest.raises(EngineDied):
@@ -194,8 +194,8 @@ def test_child_exits_when_its_parent_dies(checkpoint, tmp_path):
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
         from core.chat.engine_process import ProcessEngine
-        from core.chat.protocol import EngineConfig, Start
-        pe = ProcessEngine(Start({checkpoint!r}, "cpu", EngineConfig(max_rows=1)))
+        from core.chat.protocol import EngineConfig, EngineStart
+        pe = ProcessEngine(EngineStart({checkpoint!r}, "cpu", EngineConfig(max_rows=1)))
         print(pe.pid, flush=True)
         time.sleep(600)
     """)
@@ -378,7 +378,7 @@ def test_idle_cpu_policy(checkpoint):
     it, the engine says so and serves anyway), and the streams are the same as on a thread of this process. A
     policy needs the child process; an unknown one is refused."""
     reference = thread_reference(checkpoint, "cpu", one_by_one)
-    pe = ProcessEngine(Start(checkpoint, "cpu", EngineConfig(max_rows=4, torch_threads=1, cpu_policy="idle", dtype="float32")))
+    pe = ProcessEngine(EngineStart(checkpoint, "cpu", EngineConfig(max_rows=4, torch_threads=1, cpu_policy="idle", dtype="float32")))
     try:
         assert run(one_by_one(pe)) == reference
         probe = subprocess.run([sys.executable, "-c", "import os; os.sched_setscheduler(0, os.SCHED_IDLE, "
@@ -420,7 +420,7 @@ def test_cuda_process_engine_matches_thread_engine(checkpoint):
         pytest.skip("needs CUDA")
 
     reference = thread_reference(checkpoint, "cuda", one_by_one)
-    pe = ProcessEngine(Start(checkpoint, "cuda", EngineConfig(max_rows=4)))
+    pe = ProcessEngine(EngineStart(checkpoint, "cuda", EngineConfig(max_rows=4)))
     try:
         assert pe.info.device.startswith("cuda")
         assert run(one_by_one(pe)) == reference

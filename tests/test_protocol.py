@@ -17,15 +17,16 @@ import pytest
 
 from core.chat import protocol as P
 from core.chat.outputs import OutputProcessor, RequestView
+from core.child import Failed, Stop
 from deployments.openai_requests import ChatCompletionRequest, TextCompletionRequest
 
 EVENT = P.TokenEvent("r1", 0, 17, "hi", "text", False, False, None, 12, 3, 4, -0.5, [(17, -0.5), (3, -1.5)])
 PARAMS = P.SamplingParams(max_tokens=9, temperature=0.7, top_k=5, top_p=0.9, seed=3, n=2, stop=("x",),
                           presence_penalty=0.5, logit_bias={3: 1.5}, logprobs=2)
 MESSAGES = [
-    P.Start("/ckpt", "cpu", P.EngineConfig(max_rows=3, cpu_policy="idle"), (1, 2, 3)),
-    P.Add("r1", [1, 2, 3], PARAMS, (4, 5)), P.Abort("r1"), P.Stop(),
-    P.Ready("cpu", 123, 2, "idle"), P.Failed("Traceback ..."),
+    P.EngineStart("/ckpt", "cpu", P.EngineConfig(max_rows=3, cpu_policy="idle"), (1, 2, 3)),
+    P.Add("r1", [1, 2, 3], PARAMS, (4, 5)), P.Abort("r1"), Stop(),
+    P.EngineReady("cpu", 123, 2, "idle"), Failed("Traceback ..."),
     P.Stats(P.EngineStats(1, 2, 3, 4, 5, 6, 7, 8, 9, 10)),
     P.GenerateRequest(PARAMS, messages=({"role": "user", "content": "hi"},), resume=(7, 8)),
     P.GenerateRequest(PARAMS, prompts=("text", (1, 2, 3))), P.StreamError("full", "overloaded_error", "n", "c"),

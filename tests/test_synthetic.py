@@ -5,7 +5,7 @@ import pytest
 
 from core.chat.async_engine import AsyncEngine
 from core.chat.engine_process import ProcessEngine
-from core.chat.protocol import EngineConfig, EngineError, SamplingParams, Start
+from core.chat.protocol import EngineConfig, EngineError, SamplingParams, EngineStart
 from core.chat.synthetic import TEXT, SyntheticEngine
 from deployments.settings import AppArgs
 
@@ -148,7 +148,7 @@ def test_process_engine_runs_the_synthetic_engine_without_torch(chat_checkpoint)
             evs += batch
         return evs
 
-    pe = ProcessEngine(Start(chat_checkpoint, None, config))
+    pe = ProcessEngine(EngineStart(chat_checkpoint, None, config))
     try:
         assert pe.info.device == "synthetic" and pe.info.torch_threads == 0
         with open(f"/proc/{pe.pid}/maps") as f:

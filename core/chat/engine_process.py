@@ -7,8 +7,8 @@ chat replica the service's bottleneck (bench/README.md). `ProcessEngine`
 runs `LLMEngine` in a child process of its own, as vLLM's engine core does, and talks to it over a private
 socket pair (core/child.py):
 
-    parent -> child   Start once, then Add | Abort | Stop
-    child -> parent   Ready | Failed once, then events | Rejected | Stats
+    parent -> child   EngineStart once, then Add | Abort | Stop
+    child -> parent   EngineReady | Failed once, then events | Rejected | Stats
 
 (the records of protocol.py; each side matches on their types). The events of a step travel as msgpack
 (protocol.encode_events, several times faster than pickle: bench/README.md), everything else
@@ -27,15 +27,15 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
-from ..child import Child, child_main
+from ..child import Child, Failed, Stop, child_main
 from .async_engine import STATS_PERIOD_S, AsyncEngine, EngineClient, StreamHold
-from .protocol import (Abort, Add, EngineDied, EngineError, EngineFull, EngineStats, Failed, Ready, Rejected,
-                       SamplingError, SamplingParams, Start, Stats, Stop, decode_events, encode_events)
+from .protocol import (Abort, Add, EngineDied, EngineError, EngineFull, EngineReady, EngineStart, EngineStats,
+                       Rejected, SamplingError, SamplingParams, Stats, decode_events, encode_events)
 
 logger = logging.getLogger(__name__)
 
 
-def build_engine(start: Start):
+def build_engine(start: EngineStart):
     """The engine `start` describes, built in the calling process (torch threads set, weights loaded), or the
     synthetic engine (synthetic.py: the checkpoint's tokenizer, no model, no torch)."""
     if start.config.kind == "synthetic":
@@ -97,7 +97,7 @@ def set_cpu_policy(policy: str) -> str:
     return "idle"
 
 
-def start_engine(start: Start, on_stats=None, hold: StreamHold | None = None) -> EngineClient:
+def start_engine(start: EngineStart, on_stats=None, hold: StreamHold | None = None) -> EngineClient:
     """The engine `start` describes, behind its client: in a child process (ProcessEngine) or, with
     `config.process` off, on a thread of this process (AsyncEngine). `hold`: when the client wakes a stream."""
     if start.config.process:
@@ -106,12 +106,12 @@ def start_engine(start: Start, on_stats=None, hold: StreamHold | None = None) ->
 
 
 class ProcessEngine(EngineClient):
-    def __init__(self, start: Start, on_stats=None, start_timeout_s: float = 600.0, hold: StreamHold | None = None):
+    def __init__(self, start: EngineStart, on_stats=None, start_timeout_s: float = 600.0, hold: StreamHold | None = None):
         super().__init__(on_stats, hold)
         self.start = start
         self.max_rows = start.config.max_rows
         self._stats = EngineStats(0, 0, 0, start.config.max_rows, 0, 0)
-        self.child = Child("core.chat.engine_process", "the chat engine process", start, Ready, start_timeout_s)
+        self.child = Child("core.chat.engine_process", "the chat engine process", start, EngineReady, start_timeout_s)
         self.info = self.child.ready
         self.proc = self.child.proc
         self._reader = threading.Thread(target=self._read, name="chat-engine-reader", daemon=True)
@@ -174,16 +174,16 @@ class ProcessEngine(EngineClient):
 
 # ---- the child side
 def serve_engine(conn: Connection) -> None:
-    """The child's main loop: build the engine from Start, then take requests and step until told to stop."""
+    """The child's main loop: build the engine from EngineStart, then take requests and step until told to stop."""
     start = conn.recv()
-    assert isinstance(start, Start), start
+    assert isinstance(start, EngineStart), start
     try:
         policy = set_cpu_policy(start.config.cpu_policy)   # before the build, so torch's threads inherit it
         engine = build_engine(start)
     except Exception:
         conn.send(Failed(traceback.format_exc()))
         return
-    conn.send(Ready(str(engine.device), os.getpid(), torch_threads(), policy, engine.linear, engine.attention,
+    conn.send(EngineReady(str(engine.device), os.getpid(), torch_threads(), policy, engine.linear, engine.attention,
                     engine.dtype))
 
     def emit(events) -> None:

@@ -11,7 +11,8 @@
   the tokenizer) turns a stream's events into `Delta`s, each a run of tokens with their text and logprobs as
   clients see them, and sends those to the Ingress. A failure the client must see travels as a `StreamError`
   in the same lists.
-- The engine process's messages (`Start` ... `Stats`) are small records the two sides match on by type.
+- The engine process's messages (`EngineStart` ... `Stats`; `Failed` and `Stop` are core/child.py's, for both
+  models' processes) are small records the two sides match on by type.
 
 Records are frozen msgspec Structs (as vLLM's engine core uses): they pickle about as fast as plain dicts, and
 faster than dataclasses (bench/README.md, "The chat protocol on the wire"); both the engine socket and Ray's
@@ -370,7 +371,7 @@ class EngineConfig:
 
 
 # ---- the engine process's messages
-class Start(msgspec.Struct, frozen=True):
+class EngineStart(msgspec.Struct, frozen=True):
     """parent -> child, once: what the child builds its engine from (the weights are read there)."""
 
     checkpoint: str
@@ -390,11 +391,7 @@ class Abort(msgspec.Struct, frozen=True):
     request_id: str
 
 
-class Stop(msgspec.Struct, frozen=True):
-    """parent -> child: stop stepping and exit."""
-
-
-class Ready(msgspec.Struct, frozen=True):
+class EngineReady(msgspec.Struct, frozen=True):
     """child -> parent, once: the engine is built."""
 
     device: str
@@ -404,12 +401,6 @@ class Ready(msgspec.Struct, frozen=True):
     linear: str = ""        # how the model's linear layers run: LLMEngine.linear
     attention: str = ""     # how decode attention runs: LLMEngine.attention
     dtype: str = ""         # the model's precision: LLMEngine.dtype
-
-
-class Failed(msgspec.Struct, frozen=True):
-    """child -> parent, once, instead of Ready: the build failed (its traceback)."""
-
-    message: str
 
 
 class Rejected(msgspec.Struct, frozen=True):

@@ -7,8 +7,8 @@ small (bench/README.md has the measurement). `ProcessScorer` runs the scorer in
 a child process of its own, as the chat engine runs (core/chat/engine_process.py), and talks to it over a
 private socket pair (core/child.py):
 
-    parent -> child   Start once, then Decide | Stop
-    child -> parent   Ready | Failed once, then Done | Crashed (one per Decide)
+    parent -> child   ScorerStart once, then Decide | Stop
+    child -> parent   ScorerReady | Failed once, then Done | Crashed (one per Decide)
 
 Each Done carries the results of one `decide_batch` (answers and usage, or a request's
 DecisionValidationError) and the prefix cache's counters. If the parent dies, the socket closes and the child
@@ -28,14 +28,14 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
-from ..child import Child, child_main
+from ..child import Child, Failed, Stop, child_main
 from .memory import MemoryReturn
 from .config import DecisionConfig
 
 logger = logging.getLogger(__name__)
 
 
-class Start(msgspec.Struct, frozen=True):
+class ScorerStart(msgspec.Struct, frozen=True):
     checkpoint: str
     config: DecisionConfig
     device: str | None = None
@@ -43,13 +43,9 @@ class Start(msgspec.Struct, frozen=True):
     return_memory_s: float = 30.0   # free memory back to the system at most this often (memory.MemoryReturn)
 
 
-class Ready(msgspec.Struct, frozen=True):
+class ScorerReady(msgspec.Struct, frozen=True):
     info: dict                 # what the deployment reports of its scorer (ScorerInfo's fields)
     prefix_stats: dict
-
-
-class Failed(msgspec.Struct, frozen=True):
-    message: str
 
 
 class Decide(msgspec.Struct, frozen=True):
@@ -69,10 +65,6 @@ class Crashed(msgspec.Struct, frozen=True):
     message: str
 
 
-class Stop(msgspec.Struct, frozen=True):
-    pass
-
-
 class ScorerDied(RuntimeError):
     """The decision process is gone; the replica reports itself unhealthy and Serve replaces it."""
 
@@ -87,7 +79,7 @@ def scorer_info(scorer) -> dict:
             "torch_threads": torch.get_num_threads(), "pid": os.getpid()}
 
 
-def build_scorer(start: Start):
+def build_scorer(start: ScorerStart):
     import torch
 
     from .scorer import StartLuxDecision
@@ -104,7 +96,7 @@ def run_batch(scorer, requests: list) -> list:
 class ThreadScorer:
     """The scorer in this process; each batch runs on a worker thread, off the event loop."""
 
-    def __init__(self, start: Start):
+    def __init__(self, start: ScorerStart):
         self.scorer = build_scorer(start)
         self.info = scorer_info(self.scorer)
         self.memory: dict = {}     # the caller's process: its memory is the caller's business
@@ -126,10 +118,10 @@ class ProcessScorer:
     """The scorer in a child process. `decide_batch` is awaited on the caller's loop; a reader thread hands
     each Done to the call that waits for it. Calls may overlap (each has its id); the child runs them in order."""
 
-    def __init__(self, start: Start, start_timeout_s: float = 600.0):
+    def __init__(self, start: ScorerStart, start_timeout_s: float = 600.0):
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._ids = itertools.count()
-        self.child = Child("core.decision.process", "the decision process", start, Ready, start_timeout_s)
+        self.child = Child("core.decision.process", "the decision process", start, ScorerReady, start_timeout_s)
         self.proc = self.child.proc
         self.info, self._prefix_stats = self.child.ready.info, self.child.ready.prefix_stats
         self.memory: dict = {}
@@ -195,7 +187,7 @@ class ProcessScorer:
         self.child.stop(Stop(), timeout_s)
 
 
-def start_scorer(start: Start, process: bool = True):
+def start_scorer(start: ScorerStart, process: bool = True):
     """The scorer `start` describes, behind its client: in a child process or on a thread of this one."""
     return ProcessScorer(start) if process else ThreadScorer(start)
 
@@ -203,13 +195,13 @@ def start_scorer(start: Start, process: bool = True):
 # ---- the child side
 def serve_scorer(conn: Connection) -> None:
     start = conn.recv()
-    assert isinstance(start, Start), start
+    assert isinstance(start, ScorerStart), start
     try:
         scorer = build_scorer(start)
     except Exception:
         conn.send(Failed(traceback.format_exc()))
         return
-    conn.send(Ready(scorer_info(scorer), scorer.prefix_cache.stats()))
+    conn.send(ScorerReady(scorer_info(scorer), scorer.prefix_cache.stats()))
     memory = MemoryReturn(start.return_memory_s)
     while True:
         match conn.recv():                 # EOFError when the parent is gone: the process ends

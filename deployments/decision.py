@@ -22,23 +22,14 @@ from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from core.decision import DecisionValidationError
-from core.decision.types import DecisionModelInfo
+from core.decision.types import Decided, DecisionModelInfo, DecisionRefused
 from core.decision.process import ScorerStart, start_scorer
 
-from .errors import error
 from .settings import BatchSettings, DecisionSettings, checkpoint_time
 
 BATCH = BatchSettings()
 
 logger = logging.getLogger(__name__)
-
-
-def validation_error(e: DecisionValidationError) -> dict:
-    """One error naming every bad question key; `errors` maps each key to its reason."""
-    keys = ", ".join(f"{k!r}" for k in e.errors)
-    body = error(f"invalid questions ({keys}): {e}", param=next(iter(e.errors), None))
-    body["error"]["errors"] = e.errors
-    return body
 
 
 class BatchMerger:
@@ -126,8 +117,8 @@ class DecisionModel:
         if not self.scorer.alive():
             raise RuntimeError("the decision process has stopped")
 
-    async def decide(self, request: dict) -> dict:
-        """{"state", "questions"} -> {"model", "answers", "usage"} or {"error": ...}."""
+    async def decide(self, request: dict) -> Decided | DecisionRefused:
+        """{"state", "questions"} -> the answers, or why the request is refused."""
         return await (await self._batched(request))
 
     @serve.batch(max_batch_size=BATCH.max_batch_size, batch_wait_timeout_s=BATCH.batch_wait_timeout_s)
@@ -135,7 +126,7 @@ class DecisionModel:
         """Serve's batch, handed on at once (so the next one can form): a future of each request's answer."""
         return self.merger.submit(requests)
 
-    async def _run(self, requests: list[dict]) -> list[dict]:
+    async def _run(self, requests: list[dict]) -> list[Decided | DecisionRefused]:
         """One decide_batch over the merged requests."""
         self.batch_sizes[len(requests)] += 1
         self.batch_size_metric.observe(len(requests))
@@ -153,15 +144,15 @@ class DecisionModel:
                 self._reported[key] = stats[key]
         self.prefix_bytes_metric.set(stats["bytes"])
 
-    def _answers(self, results: list) -> list[dict]:
-        out = []
+    def _answers(self, results: list) -> list[Decided | DecisionRefused]:
+        out: list[Decided | DecisionRefused] = []
         for res in results:
             if isinstance(res, DecisionValidationError):
-                out.append(validation_error(res))
+                out.append(DecisionRefused(errors=res.errors))
             else:
                 answers, usage = res
                 self.questions_metric.inc(len(answers))
-                out.append({"model": self.name, "answers": answers, "usage": usage})
+                out.append(Decided(model=self.name, answers=answers, usage=usage))
         return out
 
     def __del__(self):

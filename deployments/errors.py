@@ -1,9 +1,10 @@
 """Errors on the HTTP path: OpenAI's error body, the one mapping from error types to status codes, the handlers.
 
 A model deployment never lets a user error escape as an exception (that would reach the Ingress as a wrapped
-RayTaskError): the decision model returns `{"error": {...}}` in OpenAI's shape and the chat model yields a
-`StreamError` record; the Ingress raises either as an `APIError`, and `error_response` turns `type` (or a
-`code` whose status differs) into the HTTP status, here and nowhere else.
+RayTaskError): the decision model returns a `DecisionRefused` record and the chat model yields a `StreamError`
+record; the Ingress raises either as an `APIError` (`APIError.of`, the one place either becomes OpenAI's error
+body), and `error_response` turns `type` (or a `code` whose status differs) into the HTTP status, here and
+nowhere else.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.chat.protocol import StreamError
+from core.decision.types import DecisionRefused
 
 from .openai_shapes import ErrorDetail, ErrorResponse
 
@@ -44,7 +46,13 @@ class APIError(Exception):
         self.body, self.headers = body, headers or {}
 
     @classmethod
-    def of(cls, e: StreamError) -> "APIError":
+    def of(cls, e: StreamError | DecisionRefused) -> "APIError":
+        """The error a model's refusal is to the client: a chat stream's StreamError as it says; a decision
+        request's refusal a 400 naming every bad key (`errors`: each key's reason)."""
+        if isinstance(e, DecisionRefused):
+            body = error(e.message, param=next(iter(e.errors), None))
+            body["error"]["errors"] = dict(e.errors)
+            return cls(body)
         return cls(error(e.message, e.type, e.param, e.code))
 
 

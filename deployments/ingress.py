@@ -22,7 +22,7 @@ from ray import serve
 from ray.serve.metrics import Gauge
 
 from core.chat.protocol import ChatModelInfo, GenerateRequest, SamplingError, SamplingParams
-from core.decision.types import DecisionRequest
+from core.decision.types import DecisionRefused, DecisionRequest
 
 from . import web
 from .admission import Admission, RefuseWhenFull, Slot, Tally
@@ -158,9 +158,9 @@ class Ingress:
         payload = {"state": req.state,
                    "questions": {k: q.model_dump(exclude_unset=True) for k, q in req.questions.items()}}
         result = await self.retry(lambda: model.handle.decide.remote(payload), "decision")
-        if "error" in result:
-            raise APIError(result)
-        return result
+        if isinstance(result, DecisionRefused):
+            raise APIError.of(result)
+        return {"model": result.model, "answers": result.answers, "usage": result.usage}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):

@@ -83,6 +83,29 @@ class DecisionModelInfo(BaseModel):
         return name is None or name == self.id or name in self.aliases
 
 
+class Decided(BaseModel):
+    """A decision request answered, as the decision deployment returns it to the Ingress."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: str
+    answers: dict                     # by question name, in the request's order
+    usage: dict
+
+
+class DecisionRefused(BaseModel):
+    """A decision request refused for its questions or state: every bad key and why (the Ingress's 400)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    errors: dict[str, str]
+
+    @property
+    def message(self) -> str:
+        keys = ", ".join(f"{k!r}" for k in self.errors)
+        return f"invalid questions ({keys}): " + "; ".join(f"{k}: {v}" for k, v in self.errors.items())
+
+
 class DecisionValidationError(ValueError):
     """A request with bad questions; `errors` maps every bad question key (or "state"/"questions") to why."""
 

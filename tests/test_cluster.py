@@ -147,8 +147,8 @@ async def chat_whole(url, max_tokens, i=0):
 
 async def chat_stream(url, max_tokens, i=0, texts=None, pauses=None, progress=None, started=None):
     """-> ("done" | "error", chunks received); with `texts`, greedy, and the streamed text goes in texts[i];
-    with `pauses`, the longest wait between two lines goes in pauses[i]; with `progress`, progress["last"] is
-    the time of the latest line of any stream that shares it; `started` (an asyncio.Event) is set at its first
+    with `pauses`, the longest wait between two lines goes in pauses[i]; with `progress`, progress["lines"]
+    counts the lines of every stream that shares it; `started` (an asyncio.Event) is set at its first
     line (a replica runs it)."""
     # a conversation of its own per stream: the affinity router keeps a conversation on one replica, and
     # different ones are spread over both
@@ -165,7 +165,7 @@ async def chat_stream(url, max_tokens, i=0, texts=None, pauses=None, progress=No
                 now = time.monotonic()
                 pause, last = max(pause, now - last) if last else 0.0, now
                 if progress is not None:
-                    progress["last"] = now
+                    progress["lines"] += 1
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":
@@ -186,15 +186,25 @@ async def chat_stream(url, max_tokens, i=0, texts=None, pauses=None, progress=No
     return outcome, got
 
 
-async def while_progressing(tasks: list, progress: dict, stall_s: float) -> list:
-    """The tasks' results, waiting as long as their streams make progress: a stream of thousands of tokens on a
-    busy host takes what it takes, so only `stall_s` without a line from any of them is a failure."""
-    pending = set(tasks)
+async def while_progressing(tasks: list, progress: dict, url: str) -> list:
+    """The tasks' results, waiting as long as the service serves their streams: a stream of thousands of tokens
+    on a busy host takes what it takes. Whenever a check (every 5 s) finds that no stream got a line since the
+    last one, the chat replicas must report a generation running; pending streams that no replica runs are
+    stuck, and fail the test then."""
+    pending, seen = set(tasks), progress["lines"]
     while pending:
         _, pending = await asyncio.wait(pending, timeout=5)
-        stalled = time.monotonic() - progress["last"]
-        assert not pending or stalled < stall_s, f"no stream sent a line for {stalled:.0f} s"
+        if pending and progress["lines"] == seen:
+            running = await asyncio.to_thread(chat_running, url)
+            assert running, f"{len(pending)} streams got no line and no chat replica runs a generation"
+        seen = progress["lines"]
     return [t.result() for t in tasks]
+
+
+def chat_running(url, tries: int = 8) -> bool:
+    """Whether a chat replica reports a running generation (each stats call reaches one replica: several ask
+    both, sooner or later)."""
+    return any(httpx.get(f"{url}/debug/stats", timeout=30).json()["chat"]["running"] for _ in range(tries))
 
 
 def streaming_replicas(url, timeout: float = 6):
@@ -222,7 +232,7 @@ def test_node_loss_under_load(cluster):
     for deployment in ("ChatModel", "DecisionModel"):
         assert len(set(c.replica_nodes(deployment))) == 2, "replicas must run on more than one node"
 
-    texts, undisturbed, pauses, progress = {}, {}, {}, {"last": time.monotonic()}
+    texts, undisturbed, pauses, progress = {}, {}, {}, {"lines": 0}
 
     async def scenario():
         stop, results = asyncio.Event(), []
@@ -255,7 +265,7 @@ def test_node_loss_under_load(cluster):
         await asyncio.to_thread(cluster_wait, lambda: replicas_ready(c, on=new), deadlines.replicas(),
                                 "the service did not recover")
         recovered_at = time.monotonic()
-        outcomes = await while_progressing(streams, progress, deadlines.replicas())
+        outcomes = await while_progressing(streams, progress, url)
         answered = len(results)         # decisions go on being answered after the streams have ended
         await until(lambda: len(results) >= answered + 8, deadlines.replicas(), "decisions stopped after the recovery")
         stop.set()

@@ -9,6 +9,7 @@ closes, so it does not outlive its parent; the parent stops it by its pid.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -114,15 +115,16 @@ class Child:
         if not self.stopping:
             logger.error("lost the connection to %s %d", self.what, self.pid)
 
-    def stop(self, stop_record, timeout_s: float = 10.0) -> None:
-        """Ask the child to stop, then make sure: killed by its pid if it has not exited in time, or at once when
-        it cannot be asked (the connection is closed: lost, or ended on a record this process could not read)."""
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the child to stop (`Stop`), then make sure: killed by its pid if it has not exited in time, or at
+        once when it cannot be asked (the connection is closed: lost, or ended on a record this process could not
+        read)."""
         self.stopping = True
         asked = False
         with self.lock:
             if not self.closed:
                 try:
-                    self.conn.send(stop_record)
+                    self.conn.send(Stop())
                     asked = True
                 except OSError:
                     pass
@@ -146,6 +148,50 @@ class Child:
                 self.conn.close()
             except OSError:
                 pass
+
+
+class ChildClient:
+    """A model's client with the model in a child process (ProcessEngine, ProcessScorer): the child, a reader
+    thread that hands each record it sends to `_receive` (on that thread), and, however the reading ends (the
+    child gone, stopped, or a record this process cannot read), `_ended` once, after which every send fails."""
+
+    child: Child
+    logger: "logging.Logger"
+    raw = None                  # Child.records' `raw`: how to read what the child sends with send_bytes
+
+    def _start_child(self, module: str, what: str, start, ready_type: type, start_timeout_s: float,
+                     reader: str):
+        """Start the child (blocking until it is ready: `self.child.ready`) and the reader thread `reader`."""
+        self.child = Child(module, what, start, ready_type, start_timeout_s)
+        self.proc = self.child.proc
+        self._reader = threading.Thread(target=self._read, name=reader, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for msg in self.child.records(self.logger, raw=self.raw):
+                self._receive(msg)
+        finally:
+            self.child.lost(self.logger)
+            self._ended()
+
+    def _receive(self, msg) -> None:
+        raise NotImplementedError
+
+    def _ended(self) -> None:
+        """Every call still waiting on the child fails (nobody waits forever)."""
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    def alive(self) -> bool:
+        return self.child.alive()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the child to stop, then make sure: it is killed by its pid if it has not exited in time."""
+        self.child.stop(timeout_s)
 
 
 def child_main(argv: list[str], serve, name: str) -> int:

@@ -22,12 +22,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
 
-from ..child import Child, Failed, Stop, child_main
+from ..child import ChildClient, Failed, Stop, child_main
 from .async_engine import STATS_PERIOD_S, AsyncEngine, EngineClient, StreamHold
 from .protocol import (Abort, Add, EngineDied, EngineError, EngineFull, EngineReady, EngineStart, EngineStats,
                        Rejected, SamplingError, SamplingParams, Stats, decode_events, encode_events)
@@ -105,40 +104,35 @@ def start_engine(start: EngineStart, on_stats=None, hold: StreamHold | None = No
     return AsyncEngine(build_engine(start), on_stats=on_stats, hold=hold)
 
 
-class ProcessEngine(EngineClient):
-    def __init__(self, start: EngineStart, on_stats=None, start_timeout_s: float = 600.0, hold: StreamHold | None = None):
-        super().__init__(on_stats, hold)
+class ProcessEngine(ChildClient, EngineClient):
+    raw = staticmethod(decode_events)          # one step's events come as msgpack (see serve_engine)
+    logger = logger
+
+    def __init__(self, start: EngineStart, on_stats=None, start_timeout_s: float = 600.0,
+                 hold: StreamHold | None = None):
+        EngineClient.__init__(self, on_stats, hold)
         self.start = start
         self.max_rows = start.config.max_rows
         self._stats = EngineStats(0, 0, 0, start.config.max_rows, 0, 0)
-        self.child = Child("core.chat.engine_process", "the chat engine process", start, EngineReady, start_timeout_s)
+        self._start_child("core.chat.engine_process", "the chat engine process", start, EngineReady, start_timeout_s,
+                          "chat-engine-reader")
         self.info = self.child.ready
-        self.proc = self.child.proc
-        self._reader = threading.Thread(target=self._read, name="chat-engine-reader", daemon=True)
-        self._reader.start()
 
-    @property
-    def pid(self) -> int:
-        return self.child.pid
+    def _receive(self, msg) -> None:
+        """On the reader thread (which blocks on the socket without the GIL): route what the child sends."""
+        match msg:
+            case list():                            # one step's events
+                self._deliver(msg)
+            case Rejected(rid, error):
+                self._fail([rid], error)
+            case Stats(stats):
+                self._stats = stats
+                if self.on_stats is not None:
+                    self.on_stats(stats)
 
-    def _read(self) -> None:
-        """The reader thread: blocks on the socket (without the GIL) and routes what the child sends."""
-        try:
-            for msg in self.child.records(logger, raw=decode_events):
-                match msg:
-                    case list():                            # one step's events (msgpack, see serve_engine)
-                        self._deliver(msg)
-                    case Rejected(rid, error):
-                        self._fail([rid], error)
-                    case Stats(stats):
-                        self._stats = stats
-                        if self.on_stats is not None:
-                            self.on_stats(stats)
-        finally:
-            self.child.lost(logger)
-            # however the reader ends, nobody waits forever: every open request ends with an error
-            for rid in list(self._queues):          # one exception per request: each is raised in its own task
-                self._fail([rid], EngineDied("the chat engine process stopped"))
+    def _ended(self) -> None:
+        for rid in list(self._queues):              # one exception per request: each is raised in its own task
+            self._fail([rid], EngineDied("the chat engine process stopped"))
 
     def _submit(self, prompt: list[int], params: SamplingParams, rid: str, resume: list[int] | None) -> None:
         self.child.send(Add(rid, list(prompt), params, tuple(resume or ())), EngineDied)
@@ -165,11 +159,10 @@ class ProcessEngine(EngineClient):
         return self.info.dtype
 
     def alive(self) -> bool:
-        return self.child.alive()
+        return ChildClient.alive(self)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Ask the child to stop, then make sure: it is killed by its pid if it has not exited in time."""
-        self.child.stop(Stop(), timeout_s)
+        ChildClient.shutdown(self, timeout_s)
 
 
 # ---- the child side

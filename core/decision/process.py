@@ -22,13 +22,12 @@ import itertools
 import logging
 import os
 import sys
-import threading
 import traceback
 from multiprocessing.connection import Connection
 
 import msgspec
 
-from ..child import Child, Failed, Stop, child_main
+from ..child import ChildClient, Failed, Stop, child_main
 from .memory import MemoryReturn
 from .config import DecisionConfig
 
@@ -114,23 +113,19 @@ class ThreadScorer:
         pass
 
 
-class ProcessScorer:
-    """The scorer in a child process. `decide_batch` is awaited on the caller's loop; a reader thread hands
+class ProcessScorer(ChildClient):
+    """The scorer in a child process. `decide_batch` is awaited on the caller's loop; the reader thread hands
     each Done to the call that waits for it. Calls may overlap (each has its id); the child runs them in order."""
+
+    logger = logger
 
     def __init__(self, start: ScorerStart, start_timeout_s: float = 600.0):
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._ids = itertools.count()
-        self.child = Child("core.decision.process", "the decision process", start, ScorerReady, start_timeout_s)
-        self.proc = self.child.proc
-        self.info, self._prefix_stats = self.child.ready.info, self.child.ready.prefix_stats
         self.memory: dict = {}
-        self._reader = threading.Thread(target=self._read, name="decision-reader", daemon=True)
-        self._reader.start()
-
-    @property
-    def pid(self) -> int:
-        return self.child.pid
+        self._start_child("core.decision.process", "the decision process", start, ScorerReady, start_timeout_s,
+                          "decision-reader")
+        self.info, self._prefix_stats = self.child.ready.info, self.child.ready.prefix_stats
 
     async def decide_batch(self, requests: list) -> list:
         """[(state, questions), ...] -> per request (answers, usage) or its DecisionValidationError."""
@@ -145,19 +140,17 @@ class ProcessScorer:
             raise
         return await future
 
-    def _read(self) -> None:
-        try:
-            for msg in self.child.records(logger):
-                match msg:
-                    case Done(call, results, stats, memory):
-                        self._prefix_stats, self.memory = stats, memory
-                        self._resolve(call, results=results)
-                    case Crashed(call, message):
-                        self._resolve(call, error=RuntimeError(f"the decision model failed:\n{message}"))
-        finally:                                   # however the reader ends, nobody waits forever
-            self.child.lost(logger)                # a call registered after this: its send raises ScorerDied
-            for call in list(self._calls):
-                self._resolve(call, error=ScorerDied("the decision process stopped"))
+    def _receive(self, msg) -> None:
+        match msg:
+            case Done(call, results, stats, memory):
+                self._prefix_stats, self.memory = stats, memory
+                self._resolve(call, results=results)
+            case Crashed(call, message):
+                self._resolve(call, error=RuntimeError(f"the decision model failed:\n{message}"))
+
+    def _ended(self) -> None:
+        for call in list(self._calls):             # a call registered after this: its send raises ScorerDied
+            self._resolve(call, error=ScorerDied("the decision process stopped"))
 
     def _resolve(self, call: int, results=None, error: BaseException | None = None) -> None:
         target = self._calls.pop(call, None)
@@ -179,12 +172,6 @@ class ProcessScorer:
 
     def prefix_stats(self) -> dict:
         return self._prefix_stats
-
-    def alive(self) -> bool:
-        return self.child.alive()
-
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        self.child.stop(Stop(), timeout_s)
 
 
 def start_scorer(start: ScorerStart, process: bool = True):

@@ -1,6 +1,7 @@
-"""Chat admission in the Ingress: how many generations go to the chat deployment at once, and who waits.
+"""Chat admission in the Ingress: how many generations go to a chat model's deployment at once, and who waits.
 
-At most `limit` generations are in flight from one Ingress replica, `waiting` more wait for a slot here, and
+The Ingress keeps one Admission per chat model. At most `limit` generations of a model are in flight from one
+Ingress replica, `waiting` more wait for a slot here, and
 anything beyond is refused at once, before its body is read: a 503 then costs almost nothing, where a request
 queued in Serve's router keeps probing the chat replicas for room (and under a retry storm those probes, not
 the model, saturate the machine; bench/README.md). A refusal is answered after `refusal_delay_s`: a client that
@@ -105,20 +106,21 @@ class Slot:
 
 
 class RefuseWhenFull:
-    """Plain ASGI in front of FastAPI: a generation that the chat admission has neither a slot nor a waiting
-    place for is answered 503 here, before routing, the request object, the handler and the exception handlers
-    (bench.refusals: the Ingress's CPU per refusal). A request whose key is wrong goes on, to get its 401. The
-    admission and the key check are the app's `state.ingress` (its `chat_admission` and `authorized`)."""
+    """Plain ASGI in front of FastAPI: a generation when no chat model's admission has a slot or a waiting place
+    is answered 503 here, before routing, the request object, the handler and the exception handlers
+    (bench.refusals: the Ingress's CPU per refusal); with one chat model, every generation its admission would
+    refuse. A request whose key is wrong goes on, to get its 401. The admissions and the key check are the app's
+    `state.ingress` (its `chat_full`, `chat_refusal` and `authorized`)."""
 
     def __init__(self, asgi):
         self.asgi = asgi
 
     async def __call__(self, scope, receive, send):
         ingress = getattr(scope["app"].state, "ingress", None) if scope["type"] == "http" else None
-        if (ingress is not None and ingress.chat_admission.full and scope["method"] == "POST"
+        if (ingress is not None and ingress.chat_full and scope["method"] == "POST"
                 and scope["path"].removeprefix(scope.get("root_path", "")) in GENERATION_ROUTES
                 and ingress.authorized(dict(scope["headers"]).get(b"authorization", b"").decode("latin-1"))):
-            await error_response(await ingress.chat_admission.refusal())(scope, receive, send)
+            await error_response(await ingress.chat_refusal())(scope, receive, send)
             return
         await self.asgi(scope, receive, send)
 

@@ -12,6 +12,7 @@ imports neither torch nor transformers (a test checks).
 """
 
 import asyncio
+import functools
 import hmac
 import logging
 
@@ -25,7 +26,7 @@ from core.chat.protocol import ChatModelInfo, GenerateRequest, SamplingError, Sa
 from core.decision.types import DecisionRefused, DecisionRequest
 
 from . import web
-from .admission import Admission, RefuseWhenFull, Slot, Tally
+from .admission import Admission, RefuseWhenFull, Tally
 from .bodies import read_json
 from .completion import Completion, TextCompletion
 from .errors import RETRY_AFTER_S, APIError, error, install_handlers, validation_message
@@ -60,19 +61,34 @@ class Ingress:
         self.retry = RetryPolicy(settings.retry_timeout_s)
         self.chat_refused = Tally("ingress_chat_refused_total",
                                   "Generations refused with 503 by the Ingress's admission.")
-        self.admission_gauges = (Gauge("ingress_chat_in_flight", "Generations this Ingress replica has admitted."),
-                                 Gauge("ingress_chat_waiting", "Generations waiting in this Ingress for a slot."))
-        self.chat_admission = Admission(settings.max_chat_inflight, settings.max_chat_waiting,
-                                        settings.refusal_delay_s, on_change=self._admission_changed,
-                                        on_refusal=self.chat_refused.inc)
+        self.admission_gauges = (Gauge("ingress_chat_in_flight", "Generations this Ingress replica has admitted.",
+                                       tag_keys=("model",)),
+                                 Gauge("ingress_chat_waiting", "Generations waiting in this Ingress for a slot.",
+                                       tag_keys=("model",)))
+        # one admission per chat model: each model's generations take its own slots
+        self.chat_admissions = {m.name: Admission(settings.max_chat_inflight, settings.max_chat_waiting,
+                                                  settings.refusal_delay_s,
+                                                  on_change=functools.partial(self._admission_changed, m.name),
+                                                  on_refusal=self.chat_refused.inc)
+                                for m in self.registry.of_kind("chat")}
         self.streams_continued = Tally("chat_streams_continued_total",
                                        "Generations moved to another chat replica after theirs was lost.")
         app.state.ingress = self    # RefuseWhenFull reads the admission and key check here (one Ingress per process)
 
-    def _admission_changed(self, admission: Admission) -> None:
+    @property
+    def chat_full(self) -> bool:
+        """Every chat model's admission would refuse the next generation: RefuseWhenFull refuses it before its
+        body is read (which names the model)."""
+        return bool(self.chat_admissions) and all(a.full for a in self.chat_admissions.values())
+
+    async def chat_refusal(self) -> dict:
+        """A refusal of RefuseWhenFull's, counted and delayed as each admission's own are."""
+        return await next(iter(self.chat_admissions.values())).refusal()
+
+    def _admission_changed(self, model: str, admission: Admission) -> None:
         in_flight, waiting = self.admission_gauges
-        in_flight.set(admission.in_flight)
-        waiting.set(admission.waiting)
+        in_flight.set(admission.in_flight, tags={"model": model})
+        waiting.set(admission.waiting, tags={"model": model})
 
     # ---- shared checks
     def authorized(self, header: str) -> bool:
@@ -140,10 +156,13 @@ class Ingress:
         models = {m.name: {"kind": m.kind, **({"error": repr(got[m.name])} if isinstance(got[m.name], BaseException)
                                               else got[m.name])} for m in self.registry.models}
         first = {kind: models[ms[0].name] for kind in ("chat", "decision") if (ms := self.registry.of_kind(kind))}
-        admission = self.chat_admission
+        admissions = self.chat_admissions
+        for name, a in admissions.items():
+            models[name]["admission"] = {"in_flight": a.in_flight, "waiting": a.waiting}
         return {**first, "models": models,
-                "ingress": {"chat_in_flight": admission.in_flight, "chat_waiting": admission.waiting,
-                            "chat_limit": admission.limit, "chat_refused": self.chat_refused.total,
+                "ingress": {"chat_in_flight": sum(a.in_flight for a in admissions.values()),
+                            "chat_waiting": sum(a.waiting for a in admissions.values()),
+                            "chat_limit": self.settings.max_chat_inflight, "chat_refused": self.chat_refused.total,
                             "chat_streams_continued": self.streams_continued.total}}
 
     @app.post("/v1/systemone")
@@ -192,7 +211,7 @@ class Ingress:
     async def responses(self, request: Request):
         return await self._admitted(request, self._response)
 
-    async def _response(self, request: Request, slot: Slot):
+    async def _response(self, request: Request):
         """OpenAI's Responses API, stateless: the request as a chat completion, its stream as Responses events."""
         req = await self._parse(request, ResponsesRequest)
         try:
@@ -203,27 +222,22 @@ class Ingress:
         params = await self._params(chat_req, info)
         gen = GenerateRequest(params, messages=chat_req.prompt_messages(info.tool_format))
         builder = ResponseBuilder(info.id, req, chat_req.tool_plan(info.tool_format), params)
-        return await self._generate(model, gen, builder, chat_req, slot, resumable=True)
+        return await self._generate(model, gen, builder, chat_req, resumable=True)
 
     async def _admitted(self, request: Request, handler):
-        """Key check and a slot from the chat admission first (before the body is read), then `handler`; the
-        slot goes back when the generation ends (with its stream, for a streamed response)."""
+        """Key check first (before the body is read), then `handler`, which takes a slot of its model's admission
+        in `_generate`."""
         self._authorize(request)
-        slot = await self.chat_admission.enter()
-        try:
-            return await handler(request, slot)
-        except BaseException:
-            slot.release()
-            raise
+        return await handler(request)
 
-    async def _chat_completion(self, request: Request, slot: Slot):
+    async def _chat_completion(self, request: Request):
         req, model, info = await self._chat_request(request, ChatCompletionRequest, openai=True)
         fmt = info.tool_format
         gen = GenerateRequest(await self._params(req, info), messages=req.prompt_messages(fmt))
         completion = Completion(info.id, req.n, logprobs=req.logprobs, tools=req.tool_plan(fmt))
-        return await self._generate(model, gen, completion, req, slot, resumable=req.n == 1)
+        return await self._generate(model, gen, completion, req, resumable=req.n == 1)
 
-    async def _text_completion(self, request: Request, slot: Slot):
+    async def _text_completion(self, request: Request):
         req, model, info = await self._chat_request(request, TextCompletionRequest, openai=True)
         prompts = req.prompts()
         echo = None
@@ -232,8 +246,7 @@ class Ingress:
         completion = TextCompletion(info.id, req.n, len(prompts), logprobs=req.logprobs is not None, echo=echo)
         gen = GenerateRequest(await self._params(req, info),
                               prompts=tuple(p if isinstance(p, str) else tuple(p) for p in prompts))
-        return await self._generate(model, gen, completion, req, slot,
-                                    resumable=req.n == 1 and len(prompts) == 1)
+        return await self._generate(model, gen, completion, req, resumable=req.n == 1 and len(prompts) == 1)
 
     async def _chat_request(self, request: Request, schema, openai: bool = False):
         """A request for a chat model, parsed and checked against its limits: (request, the model, its info)."""
@@ -247,13 +260,17 @@ class Ingress:
         req.check(info, self.settings)
         return model, info
 
-    async def _generate(self, model: Model, gen: GenerateRequest, completion: Completion, req, slot: Slot,
-                        resumable: bool):
-        """The generation on one of `model`'s replicas, streamed or gathered (continued on another of its replicas
-        if its replica is lost: ChatStream); a streamed response takes `slot` along and gives it back when the
-        stream ends."""
-        stream = ChatStream(model.stream, gen, self.retry, resumable, self.streams_continued.inc)
-        return await respond(stream, completion, req.stream, req.include_usage, slot)
+    async def _generate(self, model: Model, gen: GenerateRequest, completion: Completion, req, resumable: bool):
+        """A slot of `model`'s admission (waiting for one, or a 503), then the generation on one of its replicas,
+        streamed or gathered (continued on another of its replicas if its replica is lost: ChatStream); the slot
+        goes back when the generation ends (a streamed response takes it along, to its stream's end)."""
+        slot = await self.chat_admissions[model.name].enter()
+        try:
+            stream = ChatStream(model.stream, gen, self.retry, resumable, self.streams_continued.inc)
+            return await respond(stream, completion, req.stream, req.include_usage, slot)
+        except BaseException:
+            slot.release()
+            raise
 
     @staticmethod
     async def _params(req: ChatCompletionRequest | TextCompletionRequest, info: ChatModelInfo) -> SamplingParams:

@@ -186,7 +186,14 @@ def test_a_stream_that_cannot_be_continued_raises():
 
 class FakeIngress:
     def __init__(self, admission, keys=()):
-        self.chat_admission, self.keys = admission, keys
+        self.admission, self.keys = admission, keys
+
+    @property
+    def chat_full(self) -> bool:
+        return self.admission.full
+
+    async def chat_refusal(self) -> dict:
+        return await self.admission.refusal()
 
     def authorized(self, header: str) -> bool:
         return not self.keys or header.removeprefix("Bearer ") in self.keys

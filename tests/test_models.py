@@ -11,6 +11,7 @@ from deployments.settings import AppArgs
 from tests.conftest import delete_apps, tiny_model
 from tests.decision_fixtures import build_checkpoint
 from tests.test_chat_engine import collect
+from tests.waiting import wait_until
 
 # ---- the settings
 
@@ -218,3 +219,37 @@ def test_the_example_config_serves_four_models(tmp_path):
         svc.stop()
         left = svc.wait_gone(120)
     assert not left, (left, svc.stuck)
+
+
+@pytest.mark.serve
+def test_each_chat_model_has_its_own_admission(multi):
+    """max_chat_inflight 1 and no waiting place: a stream of one chat model takes that model's slot, so another
+    request for it is refused (503), while the other chat model still answers."""
+    from ray import serve
+
+    from deployments.app import wire
+
+    url, checkpoints = multi
+    entries = [{"kind": "chat", "name": n, "checkpoint": checkpoints[n], "deployment": SMALL} for n in ("nano", "gpt2")]
+    args = AppArgs.model_validate({"device": "cpu", "chat_dtype": "float32", "chat_max_rows": 4,
+                                   "max_chat_inflight": 1, "max_chat_waiting": 0, "models": entries})
+    serve.run(wire(args, {"Ingress": SMALL}), name="admit", route_prefix="/admit")
+    base = url.removesuffix("/multi") + "/admit"
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "stream": True, "model": "nano"}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))        # nano's slot is taken
+            stats = httpx.get(f"{base}/debug/stats", timeout=30).json()
+            assert stats["models"]["nano"]["admission"] == {"in_flight": 1, "waiting": 0}
+            assert stats["models"]["gpt2"]["admission"] == {"in_flight": 0, "waiting": 0}
+            busy = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "model": "nano"},
+                              timeout=60)
+            assert busy.status_code == 503 and busy.json()["error"]["code"] == "overloaded"
+            assert complete(base, "gpt2", n=4)["model"] == "gpt2"
+        wait_until(lambda: httpx.get(f"{base}/debug/stats", timeout=30).json()["ingress"]["chat_in_flight"] == 0, 60,
+                   "the stream's slot was not given back", 0.2)
+        assert complete(base, "nano", n=4)["model"] == "nano"
+    finally:
+        delete_apps("admit")

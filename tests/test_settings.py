@@ -123,9 +123,10 @@ def test_ingress_values_reach_its_parts(name, monkeypatch):
                     {"kind": "decision", "names": ["d"], "handle": handle}], settings)
     d = IngressSettings()
     assert ingress.api_keys == (["k1", "k2"] if args.get("api_keys_env") else args.get("api_keys", []))
-    assert ingress.chat_admission.limit == expect(args, "max_chat_inflight", d.max_chat_inflight)
-    assert ingress.chat_admission.max_waiting == expect(args, "max_chat_waiting", d.max_chat_waiting)
-    assert ingress.chat_admission.refusal_delay_s == expect(args, "refusal_delay_s", d.refusal_delay_s)
+    (admission,) = ingress.chat_admissions.values()              # one per chat model
+    assert admission.limit == expect(args, "max_chat_inflight", d.max_chat_inflight)
+    assert admission.max_waiting == expect(args, "max_chat_waiting", d.max_chat_waiting)
+    assert admission.refusal_delay_s == expect(args, "refusal_delay_s", d.refusal_delay_s)
     assert ingress.retry.timeout_s == expect(args, "retry_timeout_s", d.retry_timeout_s)
     for key in ("max_body_bytes", "max_messages", "max_message_chars", "max_n", "max_questions"):
         assert getattr(ingress.settings, key) == expect(args, key, getattr(d, key))

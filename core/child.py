@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from abc import ABC, abstractmethod
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 
@@ -150,7 +151,7 @@ class Child:
                 pass
 
 
-class ChildClient:
+class ChildClient(ABC):
     """A model's client with the model in a child process (ProcessEngine, ProcessScorer): the child, a reader
     thread that hands each record it sends to `_receive` (on that thread), and, however the reading ends (the
     child gone, stopped, or a record this process cannot read), `_ended` once, after which every send fails."""
@@ -175,12 +176,13 @@ class ChildClient:
             self.child.lost(self.logger)
             self._ended()
 
+    @abstractmethod
     def _receive(self, msg) -> None:
-        raise NotImplementedError
+        """One record the child sent (on the reader thread)."""
 
+    @abstractmethod
     def _ended(self) -> None:
         """Every call still waiting on the child fails (nobody waits forever)."""
-        raise NotImplementedError
 
     @property
     def pid(self) -> int:

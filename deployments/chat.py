@@ -24,8 +24,8 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from core.chat import ChatPrompter, PromptError, load_chat_defaults, load_chat_tokenizer
 from core.chat.engine_process import start_engine
-from core.chat.protocol import (ENGINE_STOPPED_CODE, ChatModelInfo, EngineDied, EngineError, EngineFull, EngineStats, GenerateRequest,
-                                SamplingError, EngineStart, StreamError, TokenEvent, encode_message)
+from core.chat.protocol import (ENGINE_STOPPED_CODE, ChatModelInfo, EngineDied, EngineError, EngineFull, EngineStart,
+                                EngineStats, GenerateRequest, SamplingError, StreamError, TokenEvent, encode_message)
 
 from .deltas import deltas
 from .settings import ChatSettings, checkpoint_time
@@ -154,8 +154,7 @@ class ChatModel:
 
     def info(self) -> ChatModelInfo:
         return ChatModelInfo(self.name, checkpoint_time(self.settings.checkpoint), self.sequence_len,
-                             self.engine.max_rows, self.tok.vocab_size, self.defaults.sampling, self.defaults.tool_format,
-                             tuple(self.settings.model_aliases))
+                             self.engine.max_rows, self.tok.vocab_size, self.defaults.sampling, self.defaults.tool_format)
 
     def stats(self) -> dict:
         s = self.engine.stats()

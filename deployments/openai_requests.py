@@ -50,12 +50,6 @@ def unsupported(data: dict) -> tuple[str, str] | None:
     return None
 
 
-def check_model(info: ChatModelInfo, model: str | None) -> None:
-    if not info.serves(model):
-        raise APIError(error(f"unknown model {model!r}; this service serves {info.id!r}", "not_found_error", "model",
-                             "model_not_found"))
-
-
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -156,7 +150,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def check(self, info: ChatModelInfo, limits: IngressSettings) -> None:
         """The model's and the Ingress's limits (an APIError naming the field)."""
-        check_model(info, self.model)
         check_messages(self.messages, limits)
         if self.n > min(limits.max_n, info.max_n):
             raise APIError(error(f"n must be at most {min(limits.max_n, info.max_n)}", param="n"))
@@ -211,7 +204,6 @@ class TextCompletionRequest(SamplingFields):
 
     def check(self, info: ChatModelInfo, limits: IngressSettings) -> None:
         """The model's and the Ingress's limits (an APIError naming the field)."""
-        check_model(info, self.model)
         prompts = self.prompts()
         max_n, chars = min(limits.max_n, info.max_n), limits.max_message_chars
         if len(prompts) * self.n > max_n:
@@ -261,7 +253,6 @@ class TokenizeRequest(BaseModel):
 
     def check(self, info: ChatModelInfo, limits: IngressSettings) -> None:
         """A chat request's limits on the messages, or on the prompt's characters."""
-        check_model(info, self.model)
         if self.messages is not None:
             check_messages(self.messages, limits)
         elif len(self.prompt) > limits.max_message_chars:
@@ -278,7 +269,6 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
     def check(self, info: ChatModelInfo, limits: IngressSettings) -> None:
-        check_model(info, self.model)
         if len(self.tokens) > limits.max_message_chars:
             raise APIError(error(f"at most {limits.max_message_chars} tokens", param="tokens"))
         if self.tokens and not 0 <= min(self.tokens) <= max(self.tokens) < info.vocab_size:

@@ -223,7 +223,8 @@ class LLMEngine:
                     if self.model.needs_previous else None)
         # right padding: a padded position lies beyond its row's prompt, is masked for that row's queries and is
         # overwritten before the row ever reaches it.
-        cb = CacheBatch.build(self.cache, rows, start, T, previous, threads=self.attention_threads)
+        cb = CacheBatch.build(self.cache, rows, start, T, previous, threads=self.attention_threads,
+                              lengths=[take for _, take in batch])
         last = torch.tensor([take - 1 for _, take in batch], device=self.device)
         if any(req.prompt_entries is not None for req, _ in batch):
             hidden = self.model.hidden(ids.to(self.device), cb)

@@ -30,7 +30,7 @@ class KVCache:
         cap = min(max_len, initial_len or max_len)
         self.k = torch.zeros(n_layer, rows, n_kv_head, cap, head_dim, dtype=dtype, device=self.device)
         self.v = torch.zeros_like(self.k)
-        self.filled = [0] * rows                      # per row: 1 + the highest position written
+        self.filled = [0] * rows                      # per row: 1 + the last position of a real token written
         self.sources: dict[int, tuple[int, int]] = {}   # row -> (row it copied its first n positions from, n)
 
     @classmethod
@@ -143,15 +143,18 @@ class CacheBatch:
 
     @classmethod
     def build(cls, cache: KVCache, rows: list[int], start: list[int], T: int,
-              previous: list[int] | None = None, shared_prefixes: bool = False, threads: int = 0) -> "CacheBatch":
+              previous: list[int] | None = None, shared_prefixes: bool = False, threads: int = 0,
+              lengths: list[int] | None = None) -> "CacheBatch":
         """previous: the token before each row's `start` (-1 where start is 0); needed when a row starts later
         and the model reads it (ChatNetwork.needs_previous). shared_prefixes: look up the prefixes the rows
-        share (for decode attention that reads them once)."""
+        share (for decode attention that reads them once). lengths: the real tokens of each row (default T; the
+        rest is right padding, written but never read before the row overwrites it, so the cache does not count
+        it as written: the row's next write then continues where it really ends)."""
         device = cache.device
         end = min(max(start) + T, cache.max_len)
         cache.ensure_capacity(end)
-        for r, s0 in zip(rows, start):
-            cache.written(r, s0, min(s0 + T, cache.max_len))
+        for r, s0, n in zip(rows, start, lengths or [T] * len(rows)):
+            cache.written(r, s0, min(s0 + n, cache.max_len))
         shared = cache.shared_prefixes(rows, start) if shared_prefixes else None
         rows_t = torch.tensor(rows, device=device)
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))

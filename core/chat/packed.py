@@ -54,7 +54,7 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.size(-1)
-        least, most = ROWS[self.packed.dtype] if self.packed.dtype in ROWS else (MIN_ROWS, MAX_ROWS)
+        least, most = ROWS[self.packed.dtype]      # pack_linears packs fp32 and bf16 weights only
         if (x.device.type != "cpu" or x.dtype != self.packed.dtype or not least <= rows <= most
                 or (torch.is_grad_enabled() and self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
@@ -63,8 +63,8 @@ class PackedLinear(nn.Linear):
 
 def pack_linears(model: nn.Module, min_weight: int | None = None) -> int:
     """Replace every fp32 nn.Linear of `model` (on the CPU) with at least `min_weight` weight elements (default
-    MIN_WEIGHT, read when called), and every bf16 one (at least `min_weight` if given), by a PackedLinear, in place -> how many. Raises what oneDNN raises if it
-    cannot pack (the caller falls back to torch's own path)."""
+    MIN_WEIGHT, read when called), and every bf16 one (at least `min_weight` if given), by a PackedLinear, in
+    place -> how many. Raises what oneDNN raises if it cannot pack (the caller falls back to torch's own path)."""
     if not available():
         raise RuntimeError("torch was built without oneDNN (mkldnn)")
     least = {torch.float32: MIN_WEIGHT if min_weight is None else min_weight,

@@ -174,11 +174,6 @@ class ChatModelInfo(msgspec.Struct, frozen=True):
     vocab_size: int
     sampling_defaults: SamplingDefaults
     tool_format: ToolFormat | None = None
-    aliases: tuple[str, ...] = ()   # other names a request may give in `model`
-
-    def serves(self, name: str | None) -> bool:
-        """Whether a request naming `name` (None: no name) is for this model."""
-        return name is None or name == self.id or name in self.aliases
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):

@@ -76,11 +76,7 @@ class DecisionModelInfo(BaseModel):
 
     id: str
     created: int                      # the checkpoint's time (its config file's modification time)
-    aliases: tuple[str, ...] = ()     # other names a request may give in `model`
-
-    def serves(self, name: str | None) -> bool:
-        """Whether a request naming `name` (None: no name) is for this model."""
-        return name is None or name == self.id or name in self.aliases
+    aliases: tuple[str, ...] = ()     # other names a request may give in `model` (the Ingress's registry routes)
 
 
 class Decided(BaseModel):

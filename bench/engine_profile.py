@@ -135,7 +135,7 @@ def profile_shape(n_layer: int, n_embd: int, rows_list: list[int], length: int, 
     out = []
     for rows in rows_list:
         engine = LLMEngine(model, tok, max_rows=rows, prefill_chunk=rows * length, prefix_caching=False,
-                           initial_cache_len=1024, packed_linear=packed)
+                           packed_linear=packed)
         for i, p in enumerate(prompts(2, 8, min(tok.vocab_size, tok.bos_id), tok.bos_id, rng)):   # warm-up
             engine.add_request(p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), f"w{i}")
         while engine.has_work():

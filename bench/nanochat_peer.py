@@ -80,8 +80,7 @@ def time_nanochat(engine, prompt: list[int], batch: int, decode: int) -> dict:
 
 
 def time_ours(model, tok, prompt: list[int], batch: int, decode: int) -> dict:
-    engine = LLMEngine(model, tok, max_rows=batch, prefill_chunk=len(prompt), prefix_caching=False,
-                       initial_cache_len=len(prompt) + decode)
+    engine = LLMEngine(model, tok, max_rows=batch, prefill_chunk=len(prompt), prefix_caching=False)
     engine.add_request(prompt, SamplingParams(n=batch, max_tokens=decode, temperature=0.0, ignore_eos=True), "r")
     t0 = time.perf_counter()
     engine.step()

@@ -187,7 +187,7 @@ def sample(url: str, sid: int, t: float) -> dict:
     stats = httpx.get(url + "/debug/stats", timeout=30).json()
     chat, decision, ingress = stats["chat"], stats["decision"], stats["ingress"]
     counters = {"chat rows used": chat["rows_used"], "chat running": chat["running"],
-                "chat prefix-cache rows": chat["prefix_cache"]["cached_rows"],
+                "chat prefix-cache blocks": chat["prefix_cache"]["cached_blocks"],
                 "chat prefix-cache tokens": chat["prefix_cache"]["cached_tokens"],
                 "decision prefix-cache MB": decision["prefix_cache"]["bytes"] / 2 ** 20,
                 "decision prefix-cache entries": decision["prefix_cache"]["entries"],

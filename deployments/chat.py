@@ -46,9 +46,18 @@ class ChatMetrics:
                              tag_keys=("model",))
         self.generated = Counter("chat_generated_tokens_total", "Tokens generated.", tag_keys=("model",))
         self.prompted = Counter("chat_prompt_tokens_total", "Prompt tokens.", tag_keys=("model",))
-        self.running = Gauge("chat_running_requests", "Requests holding KV-cache rows.", tag_keys=("model",))
-        self.waiting = Gauge("chat_waiting_requests", "Requests waiting for free rows.", tag_keys=("model",))
-        self.cache = Gauge("chat_kv_cache_usage", "Share of KV-cache positions in use (0-1).", tag_keys=("model",))
+        self.running = Gauge("chat_running_requests", "Requests holding KV-cache blocks.", tag_keys=("model",))
+        self.waiting = Gauge("chat_waiting_requests", "Requests waiting for rows or blocks (preempted ones "
+                             "included).", tag_keys=("model",))
+        # vLLM's kv_cache_usage_perc, num_preemptions
+        self.cache = Gauge("chat_kv_cache_usage", "Share of KV-cache blocks held by running requests (0-1).",
+                           tag_keys=("model",))
+        self.free_blocks = Gauge("chat_kv_cache_free_blocks", "KV-cache blocks held by no request (free or caching "
+                                 "a prefix).", tag_keys=("model",))
+        self.cached_blocks = Gauge("chat_kv_cache_cached_blocks", "KV-cache blocks held by no request that cache a "
+                                   "prefix.", tag_keys=("model",))
+        self.preemptions = Counter("chat_preemptions_total", "Running requests whose KV-cache blocks were taken "
+                                   "back, to be computed again.", tag_keys=("model",))
         # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
         self.prefix_queries = Counter("chat_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
                                       tag_keys=("model",))
@@ -56,9 +65,10 @@ class ChatMetrics:
                                    tag_keys=("model",))
         self.linear_fallback = Gauge("chat_linear_fallback", "1 where packing the model's linear layers for "
                                      "oneDNN failed and they run on torch's slower F.linear.", tag_keys=("model",))
-        self._reported = (0, 0)
+        self._reported = (0, 0, 0)
         for m in (self.linear_fallback, self.ttft, self.itl, self.e2e, self.generated, self.prompted, self.running, self.waiting,
-                  self.cache, self.prefix_queries, self.prefix_hits):
+                  self.cache, self.free_blocks, self.cached_blocks, self.preemptions, self.prefix_queries,
+                  self.prefix_hits):
             m.set_default_tags(dict(tags))   # Serve adds its own tags to the dict it is given
 
     def engine_stats(self, s: EngineStats) -> None:
@@ -66,12 +76,17 @@ class ChatMetrics:
         self.running.set(s.running)
         self.waiting.set(s.waiting)
         self.cache.set(s.cache_usage)
-        queries, hits = self._reported
+        self.free_blocks.set(s.blocks_total - s.blocks_used)
+        self.cached_blocks.set(s.blocks_cached)
+        queries, hits, preempted = self._reported
         if s.prefix_query_tokens > queries:
             self.prefix_queries.inc(s.prefix_query_tokens - queries)
         if s.prefix_hit_tokens > hits:
             self.prefix_hits.inc(s.prefix_hit_tokens - hits)
-        self._reported = (max(queries, s.prefix_query_tokens), max(hits, s.prefix_hit_tokens))
+        if s.preemptions > preempted:
+            self.preemptions.inc(s.preemptions - preempted)
+        self._reported = (max(queries, s.prefix_query_tokens), max(hits, s.prefix_hit_tokens),
+                          max(preempted, s.preemptions))
 
     def tokens(self, batch: list[TokenEvent], arrival: float, last: dict[int, float]) -> None:
         """Time to first token, inter-token latency and the token count of one delivery of events, observed once
@@ -162,8 +177,11 @@ class ChatModel:
                 "rows_used": s.rows_used, "rows_total": s.rows_total, "kv_cache_usage": s.cache_usage,
                 "engine": type(self.engine).__name__, "engine_kind": self.settings.engine.kind,
                 "linear": self.engine.linear, "attention": self.engine.attention, "dtype": self.engine.dtype,
+                "kv_cache": {"blocks_total": s.blocks_total, "blocks_used": s.blocks_used,
+                             "blocks_free": s.blocks_total - s.blocks_used, "blocks_cached": s.blocks_cached,
+                             "block_size": s.block_size, "preemptions": s.preemptions, "evictions": s.evictions},
                 "prefix_cache": {"query_tokens": s.prefix_query_tokens, "hit_tokens": s.prefix_hit_tokens,
-                                 "cached_rows": s.cached_rows, "cached_tokens": s.cached_prefix_tokens}}
+                                 "cached_blocks": s.blocks_cached, "cached_tokens": s.blocks_cached * s.block_size}}
 
     def detokenize(self, ids: list[int]) -> str:
         """Token ids as text, without <|bos|> (a completion's echo of a token-id prompt)."""

@@ -40,7 +40,7 @@ def test_greedy_joining_at_different_steps_equals_alone(any_nanochat, tokenizer)
     params = SamplingParams(max_tokens=24, temperature=0.0)
     ps = prompts(8)
     solo = {f"r{i}": run_alone(any_nanochat, tokenizer, p, params) for i, p in enumerate(ps)}
-    engine = LLMEngine(any_nanochat, tokenizer, max_rows=5, prefill_chunk=40, initial_cache_len=16)
+    engine = LLMEngine(any_nanochat, tokenizer, max_rows=5, prefill_chunk=40, block_size=4)
 
     def add(step, eng):
         for i, p in enumerate(ps):
@@ -135,7 +135,7 @@ def test_generation_runs_to_sequence_len(nanochat_model, tokenizer):
     with torch.no_grad():   # never predict a special token, so the run must reach the end of the context
         model.lm_head.weight[min(tokenizer.special_tokens.values()):] = 0.0
     nanochat_model = model
-    engine = LLMEngine(model, tokenizer, max_rows=1, initial_cache_len=16)
+    engine = LLMEngine(model, tokenizer, max_rows=1, block_size=4)
     engine.add_request(p, SamplingParams(max_tokens=1000, temperature=0.0), "r")
     events = [ev for _ in range(400) for ev in engine.step()]
     finish = [ev.finish_reason for ev in events if ev.finish_reason]
@@ -300,7 +300,7 @@ def test_failed_graph_recording_falls_back_to_eager(nanochat_model, tokenizer, c
     class Failing:
         calls = 0
 
-        def run(self, tokens, rows, positions, previous):
+        def run(self, tokens, tables, positions, previous):
             Failing.calls += 1
             raise GraphCaptureError("no graphs here")
 
@@ -456,14 +456,15 @@ def test_prefill_passes_group_chunks_of_similar_length():
     from core.chat.engine import PAD_LIMIT, pad_groups
 
     rng = random.Random(0)
-    batch = [(f"r{i}", rng.randint(1, 96)) for i in range(40)]
+    batch = [(f"r{i}", None, rng.randint(1, 96)) for i in range(40)]
     groups = pad_groups(batch)
-    assert sorted(x for g in groups for x in g) == sorted(batch)
+    assert sorted(x[0] for g in groups for x in g) == sorted(x[0] for x in batch)
     for g in groups:
-        assert g[0][1] == max(t for _, t in g)
-        assert len(g) == 1 or len(g) * g[0][1] <= PAD_LIMIT * sum(t for _, t in g)
-    assert sum(len(g) * g[0][1] for g in groups) < len(batch) * max(t for _, t in batch)
-    assert pad_groups([("a", 5), ("b", 5), ("c", 5)]) == [[("a", 5), ("b", 5), ("c", 5)]]
+        assert g[0][2] == max(t for _, _, t in g)
+        assert len(g) == 1 or len(g) * g[0][2] <= PAD_LIMIT * sum(t for _, _, t in g)
+    assert sum(len(g) * g[0][2] for g in groups) < len(batch) * max(t for _, _, t in batch)
+    same = [("a", None, 5), ("b", None, 5), ("c", None, 5)]
+    assert pad_groups(same) == [same]
 
 
 def test_prompts_of_mixed_lengths_prefilled_together_decode_as_alone(gpt2_model, tokenizer):

@@ -51,19 +51,24 @@ def test_logits_match_transformers(arch, packed, tokenizer):
     assert (ours - theirs).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("arch", ["nanochat", "modern", "gpt2"])
-def test_cache_forward_matches_plain_forward_across_growth(arch, tokenizer):
-    """Token-by-token decoding through a cache that starts at 8 slots and grows must equal one causal pass."""
+def test_cache_forward_matches_plain_forward_through_blocks(arch, block_size, tokenizer):
+    """Token-by-token decoding through a paged cache must equal one causal pass: the two sequences' blocks are
+    interleaved in the pool (neither one's keys lie in consecutive blocks), and the second table lists its
+    blocks in descending order."""
     model = tiny_model(arch, tokenizer, seed=4, std=0.1)
     ids = torch.randint(0, tokenizer.vocab_size, (2, 50), generator=torch.Generator().manual_seed(1))
-    cache = KVCache.for_model(model.config, rows=4, initial_len=8)
+    cache = KVCache.for_model(model.config, n_blocks=1 + 2 * (-(-50 // block_size)), block_size=block_size)
+    n = -(-50 // block_size)
+    tables = [list(range(1, 2 * n + 1, 2)), list(range(2 * n, 0, -2))]
+    cache.touch(2 * n + 1)
     with torch.no_grad():
         full = model(ids)
         prefix = 5
-        out = [model(ids[:, :prefix], CacheBatch.build(cache, [1, 3], [0, 0], prefix))]
+        out = [model(ids[:, :prefix], CacheBatch.build(cache, tables, [0, 0], prefix))]
         for t in range(prefix, 50):
-            out.append(model(ids[:, t:t + 1], CacheBatch.build(cache, [1, 3], [t, t], 1, ids[:, t - 1].tolist())))
-    assert cache.capacity >= 50
+            out.append(model(ids[:, t:t + 1], CacheBatch.build(cache, tables, [t, t], 1, ids[:, t - 1].tolist())))
     stepped = torch.cat(out, dim=1)
     assert (stepped - full).abs().max().item() <= 1e-4
 
@@ -75,11 +80,12 @@ def test_rows_at_different_positions(tokenizer, any_nanochat):
     a, b = torch.randint(0, 500, (1, 12), generator=g), torch.randint(0, 500, (1, 30), generator=g)
     with torch.no_grad():
         ref_a, ref_b = model(a)[0, -1], model(b)[0, -1]
-        cache = KVCache.for_model(model.config, rows=2, initial_len=16)
-        model(a[:, :-1], CacheBatch.build(cache, [0], [0], 11))
-        model(b[:, :-1], CacheBatch.build(cache, [1], [0], 29))
+        cache = KVCache.for_model(model.config, n_blocks=16, block_size=8)
+        ta, tb = cache.tables(2, 32)
+        model(a[:, :-1], CacheBatch.build(cache, [ta], [0], 11))
+        model(b[:, :-1], CacheBatch.build(cache, [tb], [0], 29))
         step = model(torch.cat([a[:, -1:], b[:, -1:]]),
-                     CacheBatch.build(cache, [0, 1], [11, 29], 1, [a[0, -2].item(), b[0, -2].item()]))
+                     CacheBatch.build(cache, [ta, tb], [11, 29], 1, [a[0, -2].item(), b[0, -2].item()]))
     assert (step[0, 0] - ref_a).abs().max() <= 1e-4
     assert (step[1, 0] - ref_b).abs().max() <= 1e-4
 
@@ -93,10 +99,11 @@ def test_cuda_bf16_cache_decode_tracks_fp32(arch, tokenizer):
     with torch.no_grad():
         ref = model(ids)
         gpu = tiny_model(arch, tokenizer, seed=6, std=0.1).to("cuda", torch.bfloat16)
-        cache = KVCache.for_model(gpu.config, rows=2, initial_len=8, dtype=torch.bfloat16, device="cuda")
-        out = [gpu(ids[:, :1].cuda(), CacheBatch.build(cache, [0, 1], [0, 0], 1))]
+        cache = KVCache.for_model(gpu.config, n_blocks=16, block_size=8, dtype=torch.bfloat16, device="cuda")
+        tables = cache.tables(2, 40)
+        out = [gpu(ids[:, :1].cuda(), CacheBatch.build(cache, tables, [0, 0], 1))]
         for t in range(1, 40):
-            out.append(gpu(ids[:, t:t + 1].cuda(), CacheBatch.build(cache, [0, 1], [t, t], 1, ids[:, t - 1].tolist())))
+            out.append(gpu(ids[:, t:t + 1].cuda(), CacheBatch.build(cache, tables, [t, t], 1, ids[:, t - 1].tolist())))
     got = torch.cat(out, 1).cpu()
     assert (got - ref).abs().max().item() < 0.25
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
@@ -110,12 +117,13 @@ def test_cuda_attention_avoids_cudnn(arch, tokenizer):
     from torch.profiler import ProfilerActivity, profile
 
     gpu = tiny_model(arch, tokenizer, seed=6, std=0.1).to("cuda", torch.bfloat16)
-    cache = KVCache.for_model(gpu.config, rows=2, initial_len=8, dtype=torch.bfloat16, device="cuda")
+    cache = KVCache.for_model(gpu.config, n_blocks=8, block_size=8, dtype=torch.bfloat16, device="cuda")
+    tables = cache.tables(2, 12)
     ids = torch.randint(0, tokenizer.vocab_size, (2, 12), device="cuda")
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        gpu(ids[:, :8], CacheBatch.build(cache, [0, 1], [0, 0], 8))
+        gpu(ids[:, :8], CacheBatch.build(cache, tables, [0, 0], 8))
         for t in range(8, 12):
-            gpu(ids[:, t:t + 1], CacheBatch.build(cache, [0, 1], [t, t], 1))
+            gpu(ids[:, t:t + 1], CacheBatch.build(cache, tables, [t, t], 1))
         gpu(ids)                                    # the causal pass without a cache
     names = {e.key for e in prof.key_averages()}
     assert "aten::scaled_dot_product_attention" in names

@@ -1,72 +1,88 @@
-"""Automatic prefix caching in the chat engine: the row pool alone, then the engine with the cache on and off."""
+"""Automatic prefix caching in the chat engine: the block pool alone, then the engine with the cache on and off."""
 import random
 
 import pytest
 import torch
 
 from core.chat import LLMEngine, SamplingParams
-from core.chat.prefix_index import BLOCK, RowPool
+from core.chat.kv_cache import KVCache
+from core.chat.protocol import EngineError
+from core.chat.block_pool import SCRATCH, BlockPool
 from tests.test_chat_engine import collect
 
 
-# ---- the pool, without a model
+# ---- the block pool, without a model
 
-def test_match_exact_strict_prefix_partial_and_none():
-    pool = RowPool(4)
-    a = list(range(100, 150))
-    pool.release(pool.allocate(), a)
-    row = next(iter(pool.tokens))
-    m = pool.match(a + [1, 2], limit=100)
-    assert m.row == row and m.length == 50 and m.free
-    assert pool.match(a[:20], limit=19).length == 19                 # capped: the last token is computed
-    assert pool.match(a[:37] + [0, 0], limit=100).length == 37       # diverges mid-block
-    assert pool.match([7, 8, 9], limit=100).length == 0
-    assert pool.match(a[:3] + [0] * 40, limit=100).length == 3       # diverges inside the first block
+def held(pool, tokens):
+    """A sequence of `tokens` in fresh blocks, its full blocks registered; -> its table."""
+    blocks = pool.allocate(pool.blocks_for(len(tokens)))
+    pool.commit(blocks, tokens, 0)
+    return blocks
 
 
-def test_longest_match_wins_and_ties_go_to_a_free_row():
-    pool = RowPool(3)
-    base = list(range(40))
-    held = pool.allocate()
-    pool.hold(held, base + [1] * 10)
-    free = pool.allocate()
-    pool.release(free, base + [1] * 10)
-    m = pool.match(base + [1] * 10 + [5], limit=100)
-    assert (m.row, m.length, m.free) == (free, 50, True)
-    pool.take(free)
-    m = pool.match(base + [1] * 10 + [5], limit=100)
-    assert (m.row, m.length, m.free) == (held, 50, False)            # a held row is a source to copy from
+def test_a_prefix_is_found_in_whole_blocks_and_shared_by_reference():
+    pool = BlockPool(16, 4)
+    a = list(range(100, 118))                         # 4 full blocks and 2 tokens
+    table = held(pool, a)
+    assert len(table) == 5 and table[0] != SCRATCH
+    assert pool.match(a + [1, 2], limit=100) == table[:4]
+    assert pool.match(a[:9], limit=8) == table[:2]     # capped: whole blocks within the limit
+    assert pool.match(a[:6] + [0] * 10, limit=100) == table[:1]   # diverges in the second block
+    assert pool.match([7] + a[1:], limit=100) == []    # a key names its tokens from position 0
+    hit = pool.match(a, limit=17)
+    pool.take(hit)
+    assert all(pool.ref[b] == 2 for b in hit) and pool.ref[table[4]] == 1
+    pool.release(table)
+    assert all(pool.ref[b] == 1 for b in hit) and pool.cached_blocks == 0
+    pool.release(hit)
+    assert pool.cached_blocks == 4 and pool.in_use == 0
 
 
-def test_eviction_is_least_recently_used_and_pinned_rows_stay():
-    pool = RowPool(3)
-    pool.pin(2, list(range(1000, 1020)))            # a pinned row is not in the pool's free rows
-    rows = [pool.allocate() for _ in range(2)]
-    assert set(rows) == {0, 1} and pool.n_free == 0
-    pool.release(rows[1], [2] * 20)
-    pool.release(rows[0], [1] * 20)                  # released last: the most recently used
-    assert pool.allocate() == rows[1]                # the least recently used cached row goes first
-    assert rows[1] not in pool.tokens and rows[0] in pool.tokens
-    assert pool.match(list(range(1000, 1020)) + [5], limit=30).row == 2
-    with pytest.raises(AssertionError):
-        pool.take(2)
-    assert pool.allocate() == rows[0] and pool.n_free == 0
+def test_fresh_blocks_first_then_uncached_then_least_recently_released():
+    pool = BlockPool(9, 4)                             # 8 usable
+    old = held(pool, list(range(8)))                  # 2 cached blocks
+    new = held(pool, list(range(50, 58)))
+    scratch = pool.allocate(2)                         # 2 blocks caching nothing
+    assert pool.available == 2
+    pool.release(old)
+    pool.release(scratch)
+    pool.release(new)                                  # released last: the most recently used
+    got = pool.allocate(2)
+    assert set(got) == set(range(7, 9))                # never used before any queued block
+    assert set(pool.allocate(2)) == set(scratch)       # then the blocks that cache nothing
+    assert pool.match(list(range(8)), 100) == old
+    took = pool.allocate(1)                            # then the least recently released: old's tail first
+    assert took == [old[1]] and pool.match(list(range(8)), 100) == old[:1]
+    assert pool.match(list(range(50, 58)), 100) == new and pool.evictions == 1
 
 
-def test_empty_rows_are_given_before_cached_ones():
-    pool = RowPool(3)
-    r = pool.allocate()
-    pool.release(r, [3] * 40)
-    assert pool.allocate() != r and pool.allocate() != r and pool.allocate() == r
+def test_an_evicted_parent_leaves_its_children_unreachable():
+    """Keys chain content ids that are never reused: once a block is reused, a prompt that reaches its old
+    children through the new content cannot find them."""
+    pool = BlockPool(4, 4)
+    a = held(pool, [1, 1, 1, 1, 2, 2, 2, 2])
+    pool.release(a)
+    pool.take(a[1:])                                   # keep the child, let the parent go
+    pool.allocate(1)                                   # the last fresh block
+    reused = pool.allocate(1)
+    assert reused == a[:1]
+    pool.commit(reused, [1, 1, 1, 1], 0)               # the same tokens again, a new content id
+    assert pool.match([1, 1, 1, 1, 2, 2, 2, 2, 0], 100) == reused
 
 
-def test_a_hash_collision_never_reuses_wrong_keys(monkeypatch):
-    pool = RowPool(2)
-    pool.release(pool.allocate(), [1] * BLOCK + [2] * BLOCK)
-    monkeypatch.setattr(RowPool, "_chain", staticmethod(lambda tokens: [7] * (len(tokens) // BLOCK)))
-    row = next(iter(pool.tokens))
-    pool._blocks = {7: {row}}
-    assert pool.match([9] * (2 * BLOCK) + [1], limit=100).length == 0
+def test_a_block_with_the_content_of_a_cached_one_stays_private():
+    pool = BlockPool(8, 4)
+    a = held(pool, [5] * 8)
+    b = pool.allocate(2)
+    assert pool.commit(b, [5] * 8, 0) == 0             # the first block's key is a's: b's stay unregistered
+    pool.release(b)
+    assert pool.cached_blocks == 0 and pool.match([5] * 9, 100) == a
+
+
+def test_allocation_takes_nothing_when_too_few_are_left():
+    pool = BlockPool(4, 4)
+    assert pool.allocate(4) is None and pool.available == 3
+    assert pool.allocate(3) is not None and pool.allocate(1) is None
 
 
 # ---- the engine with the cache on and off
@@ -92,7 +108,7 @@ def conversation_turns(rng, turns, vocab=500):
 
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 5)])
 def test_a_conversation_continued_turn_by_turn(any_nanochat, tokenizer, temperature, seed):
-    on, off = engines(any_nanochat, tokenizer, max_rows=4, initial_cache_len=32)
+    on, off = engines(any_nanochat, tokenizer, max_rows=4, block_size=8)
     rng = random.Random(0)
     history = [rng.randrange(500) for _ in range(30)]
     for turn in range(5):
@@ -116,7 +132,7 @@ def test_strict_prefix_equal_prompt_and_partial_match(any_nanochat, tokenizer):
     assert first == run(off, [("a", base, params)])
     for rid, prompt in [("strict", base[:40]), ("equal", list(base)), ("partial", base[:53] + [1, 2, 3])]:
         assert run(on, [(rid, prompt, params)]) == run(off, [(rid, prompt, params)]), rid
-    assert on.stats().prefix_hit_tokens >= 39 + 40 + 40    # "strict" took over the row "a" left, and so on
+    assert on.stats().prefix_hit_tokens >= 32 + 64 + 48    # whole blocks of 16: "strict" finds 2 of "a"'s, ...
 
 
 def test_many_requests_competing_for_few_rows(any_nanochat, tokenizer):
@@ -152,37 +168,152 @@ def test_n_samples_and_an_abort_while_a_row_is_shared(nanochat_model, tokenizer)
         run(off, [("again", base + [1, 2, 5], SamplingParams(max_tokens=6, temperature=0.0))])
 
 
-def test_a_taken_over_rows_stale_tail_never_reaches_attention(nanochat_model, tokenizer):
-    on = LLMEngine(nanochat_model, tokenizer, max_rows=1)
+def test_a_hit_shares_the_blocks_and_reads_nothing_past_them(nanochat_model, tokenizer):
+    """The second prompt's table starts with the first's cached blocks (the same ids: nothing copied); poisoning
+    every other block the first used changes nothing the second computes."""
+    on = LLMEngine(nanochat_model, tokenizer, max_rows=1, block_size=8)
     rng = random.Random(4)
     base = [rng.randrange(500) for _ in range(60)]
     params = SamplingParams(max_tokens=8, temperature=0.0)
+    tables = {}
+    spy = on.scheduler.prefilled
+
+    def remember(req):
+        tables[req.id] = list(req.samples[0].blocks)
+        return spy(req)
+
+    on.scheduler.prefilled = remember
     run(on, [("a", base, params)])
-    row = next(iter(on.scheduler.pool.tokens))
-    held = len(on.scheduler.pool.tokens[row])
-    assert held == 60 + 8 - 1                          # prompt + generated, less the last (never fed)
-    on.cache.k[:, row, :, 40:] = float("nan")          # poison everything past what the next prompt reuses
-    on.cache.v[:, row, :, 40:] = float("nan")
+    shared = tables["a"][:5]                                  # 40 tokens: 5 blocks of 8
+    rest = [b for b in tables["a"] if b not in shared]
+    on.cache.k[:, rest] = float("nan")                        # poison what the next prompt must not read
+    on.cache.v[:, rest] = float("nan")
     got = run(on, [("b", base[:40] + [9, 9], params)])
-    assert on.stats().prefix_hit_tokens >= 40
+    assert tables["b"][:5] == shared and not set(tables["b"][5:]) & set(shared)
+    assert on.stats().prefix_hit_tokens == 40
     ref = LLMEngine(nanochat_model, tokenizer, max_rows=1, prefix_caching=False)
     assert got == run(ref, [("b", base[:40] + [9, 9], params)])
 
 
-def test_few_shot_prefix_is_a_pinned_entry(any_nanochat, tokenizer):
-    prefix = list(range(10, 40))
-    on = LLMEngine(any_nanochat, tokenizer, max_rows=2, prefix_ids=prefix)
-    bare = LLMEngine(any_nanochat, tokenizer, max_rows=2, prefix_caching=False)
-    params = SamplingParams(max_tokens=6, temperature=0.0)
-    for i in range(4):                                  # more requests than rows: the pinned row is never evicted
-        prompt = prefix + [100 + i, 7]
-        assert run(on, [(f"p{i}", prompt, params)]) == run(bare, [(f"p{i}", prompt, params)])
-    assert on.prefix_row in on.scheduler.pool.pinned and on.scheduler.pool.tokens[on.prefix_row] == prefix
+def test_n_samples_share_their_prompts_blocks(nanochat_model, tokenizer):
+    """n=3 of a 21-token prompt in blocks of 8: the samples list the same two full blocks and each its own copy of
+    the third, partly filled one; while they run those two blocks have three holders."""
+    engine = LLMEngine(nanochat_model, tokenizer, max_rows=3, block_size=8)
+    engine.add_request(list(range(40, 61)), SamplingParams(max_tokens=5, temperature=1.0, seed=1, n=3), "n")
+    engine.step()
+    engine.step()
+    samples = engine.scheduler.running[0].samples
+    firsts = {tuple(s.blocks[:2]) for s in samples}
+    thirds = {s.blocks[2] for s in samples}
+    assert len(firsts) == 1 and len(thirds) == 3
+    assert all(engine.scheduler.pool.ref[b] == 3 for b in samples[0].blocks[:2])
+
+
+def test_memory_per_stored_token_is_the_floor(nanochat_model, tokenizer):
+    """The pool's bytes over the positions its blocks hold: 2 x layers x kv_heads x head_dim x bytes."""
+    for dtype in (torch.float32, torch.bfloat16):
+        model = nanochat_model.to(dtype)
+        engine = LLMEngine(model, tokenizer, max_rows=2, kv_cache_memory=1 << 20)
+        c = model.config
+        floor = 2 * c.n_layer * c.n_kv_head * c.head_dim * dtype.itemsize
+        assert engine.cache.nbytes() == floor * engine.cache.n_blocks * engine.cache.block_size
+        assert engine.cache.nbytes() <= 1 << 20 and engine.cache.nbytes() > (1 << 20) - floor * 16
+    nanochat_model.to(torch.float32)
+
+
+def template_conversations(n, rng, vocab=500):
+    """n conversations whose prompts begin as the chat template makes them all begin (<|bos|>, the template's
+    tokens, one system prompt: 24 tokens in common), each with its own first user message."""
+    start = [rng.randrange(vocab) for _ in range(24)]
+    return [start + [rng.randrange(vocab) for _ in range(rng.randint(20, 40))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_interleaved_conversations_keep_their_history_cached(nanochat_model, tokenizer, block_size):
+    """Twelve conversations with a common start, turn 1 of each, then turn 2 of each, then turn 3, on an engine of
+    4 rows: every later turn finds its whole history cached (its last prompt and the reply, in whole blocks) and
+    generates what the engine without a cache generates. One row per conversation would have kept none."""
+    rng = random.Random(11)
+    histories = template_conversations(12, rng)
+    on, off = engines(nanochat_model, tokenizer, max_rows=4, block_size=block_size)
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    for turn in range(3):
+        for c, history in enumerate(histories):
+            rid = f"c{c}t{turn}"
+            events = []
+            on.add_request(history, params, rid)
+            while on.has_work():
+                events += on.step()
+            got = [ev.token for ev in events if ev.token is not None]
+            assert {rid: {0: got}} == run(off, [(rid, history, params)])
+            if turn:
+                seen = prior[c]
+                assert events[0].cached_tokens >= (seen // block_size) * block_size, (rid, events[0].cached_tokens)
+            histories[c] = history + got[:-1] + [rng.randrange(500) for _ in range(8)]
+        prior = [len(h) - 8 for h in histories]
+
+
+def ample_and_tight(model, tokenizer, blocks: int, **kw):
+    """An engine with memory to spare and one whose KV cache has `blocks` blocks of 8."""
+    per = KVCache.block_bytes(model.config, 8, torch.float32)
+    return (LLMEngine(model, tokenizer, block_size=8, **kw),
+            LLMEngine(model, tokenizer, block_size=8, kv_cache_memory=per * blocks, **kw))
+
+
+@pytest.mark.parametrize("arch", ["nanochat", "modern"])
+def test_preemption_and_eviction_change_no_token(arch, tokenizer):
+    """Eight requests (greedy, seeded, n=2, penalties, a stop) that need more blocks than the cache has: running
+    requests are preempted and computed again, cached blocks evicted, and every token equals the run with memory
+    to spare; afterwards every block is back."""
+    from tests.conftest import tiny_model
+
+    model = tiny_model(arch, tokenizer, seed=5, std=0.3)
+    ample, tight = ample_and_tight(model, tokenizer, 36, max_rows=8, prefill_chunk=48)
+    rng = random.Random(6)
+    common = [rng.randrange(500) for _ in range(20)]
+    reqs = []
+    for i in range(8):
+        prompt = common + [rng.randrange(500) for _ in range(rng.randint(4, 30))]
+        params = SamplingParams(max_tokens=60, temperature=0.0 if i % 2 else 1.0, seed=i, n=1 + (i == 3),
+                                frequency_penalty=0.5 if i == 5 else 0.0, ignore_eos=True)
+        reqs.append((f"r{i}", prompt, params))
+    a, b = run(ample, reqs), run(tight, reqs)
+    assert a == b
+    stats = tight.stats()
+    assert stats.preemptions > 0 and ample.stats().preemptions == 0
+    assert stats.blocks_used == 0 and stats.running == 0 and stats.rows_used == 0
+    second = run(tight, reqs[:3])                       # what stayed cached is still right
+    assert second == {rid: a[rid] for rid, _, _ in reqs[:3]}
+    assert tight.stats().evictions > 0
+
+
+def test_an_abort_while_preempted_gives_everything_back(nanochat_model, tokenizer):
+    _, tight = ample_and_tight(nanochat_model, tokenizer, 34, max_rows=6)
+    for i in range(6):
+        tight.add_request(list(range(10 + i, 40 + i)), SamplingParams(max_tokens=80, ignore_eos=True), f"r{i}")
+    while not tight.stats().preemptions:
+        tight.step()
+    victim = next(r for r in tight.scheduler.waiting if r.preempted)
+    tight.abort(victim.id)
     events = []
-    on.add_request(prefix + [5, 5], params, "cached")
-    while on.has_work():
-        events += on.step()
-    assert events[0].cached_tokens == len(prefix)
+    while tight.has_work():
+        events += tight.step()
+    ends = {ev.request_id: ev.finish_reason for ev in events if ev.finish_reason}
+    assert ends[victim.id] == "abort" and set(ends.values()) == {"abort", "length"}
+    stats = tight.stats()
+    assert stats.rows_used == 0 and stats.blocks_used == 0
+
+
+def test_a_request_that_can_never_fit_is_refused_naming_the_limit(nanochat_model, tokenizer):
+    """A request whose samples could not reach their end in the whole cache at once is refused when it is added
+    (preemption could never finish it); the engine goes on serving the others."""
+    _, tight = ample_and_tight(nanochat_model, tokenizer, 34, max_rows=4)
+    with pytest.raises(EngineError, match="chat_kv_cache_memory"):
+        tight.add_request(list(range(50)), SamplingParams(max_tokens=200, n=4), "big")
+    assert run(tight, [("ok", list(range(50)), SamplingParams(max_tokens=5, temperature=0.0))])["ok"]
+    with pytest.raises(ValueError, match="chat_kv_cache_memory"):
+        LLMEngine(nanochat_model, tokenizer, block_size=8,
+                  kv_cache_memory=KVCache.block_bytes(nanochat_model.config, 8, torch.float32) * 10)
 
 
 @pytest.mark.gpu

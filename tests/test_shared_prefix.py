@@ -1,5 +1,5 @@
-"""Shared prefixes read once: the decode kernel's groups (cascade attention), the cache's record of which rows
-hold copies of which, and the scheduler's wait for a prefix being prefilled. Each against the plain path."""
+"""Shared prefixes read once: the decode kernel's groups (cascade attention) over entries whose block tables
+begin alike, and the scheduler's wait for a prefix being prefilled. Each against the plain path."""
 import contextlib
 import random
 
@@ -8,7 +8,7 @@ import torch
 
 from core.chat import LLMEngine, SamplingParams
 from core.chat.attention import kernel
-from core.chat.kv_cache import MIN_SHARED, KVCache
+from core.chat.kv_cache import find_shared_prefixes
 from tests.conftest import tiny_model
 from tests.test_chat_engine import collect
 
@@ -37,68 +37,75 @@ def kernel_calls(record):
         attention._kernel = real
 
 
-def reference(q, K, V, rows, positions, window):
-    """float64 attention of each entry over its row's keys up to its position (from position - window on)."""
+def reference(q, K, V, tables, positions, window):
+    """float64 attention of each entry over its keys (read through its block table) up to its position (from
+    position - window on)."""
     B, H, D = q.shape
     group = H // K.size(1)
+    bs = K.size(2)
     out = torch.empty(B, H, D, dtype=torch.float64)
     for b in range(B):
         pos = int(positions[b])
         lo = 0 if window < 0 else max(0, pos - window)
-        k = K[rows[b], :, lo:pos + 1].double().repeat_interleave(group, 0)
-        v = V[rows[b], :, lo:pos + 1].double().repeat_interleave(group, 0)
+        idx = tables[b][:pos // bs + 1]
+        keys = K[idx].transpose(0, 1).reshape(K.size(1), -1, D)[:, lo:pos + 1]
+        values = V[idx].transpose(0, 1).reshape(K.size(1), -1, D)[:, lo:pos + 1]
+        k = keys.double().repeat_interleave(group, 0)
+        v = values.double().repeat_interleave(group, 0)
         w = torch.softmax(q[b].double()[:, None] @ k.transpose(1, 2) * D ** -0.5, dim=-1)
         out[b] = (w @ v)[:, 0]
     return out
 
 
+@pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_rows_read_the_shared_keys_once_with_the_same_bits(dtype):
-    """Rows that copy a leader's first keys, grouped (the leader in the batch or not, shared lengths that are not
-    multiples of the kernel's block, a group of one, GQA), give exactly the bits they give ungrouped, which match
-    float64 attention; a windowed layer ignores the groups."""
+def test_grouped_entries_read_the_shared_blocks_once_with_the_same_bits(dtype, block_size):
+    """Entries whose tables begin with the same blocks, grouped (the leader's table longer or shorter, positions
+    inside and at the end of a block, a group of one, GQA), give exactly the bits they give ungrouped, which match
+    float64 attention; a windowed layer ignores the groups. Tables list blocks out of order, as a pool hands them."""
     mod = kernel()
     assert mod is not None
     g = torch.Generator().manual_seed(0)
-    R, Hkv, C, D, H = 12, 2, 640, 32, 4
-    K, V = torch.randn(R, Hkv, C, D, generator=g).to(dtype), torch.randn(R, Hkv, C, D, generator=g).to(dtype)
-    for r in (1, 2, 3, 5):                       # rows 1, 2, 3, 5 copy row 0's first 300 positions
-        K[r, :, :300], V[r, :, :300] = K[0, :, :300], V[0, :, :300]
-    K[7, :, :101], V[7, :, :101] = K[6, :, :101], V[6, :, :101]
-    rows = torch.tensor([1, 2, 3, 5, 7, 6, 9, 0])
+    N, Hkv, D, H, bs = 400, 2, 32, 4, block_size
+    K = torch.randn(N, Hkv, bs, D, generator=g).to(dtype)
+    V = torch.randn(N, Hkv, bs, D, generator=g).to(dtype)
+    order = torch.randperm(N - 1, generator=g).add(1).tolist()
+    width = 520 // bs
+
+    def table(prefix):
+        return prefix + [order.pop() for _ in range(width - len(prefix))]
+
+    a = table([])
+    b = table([])
     positions = torch.tensor([310, 401, 299, 350, 150, 120, 77, 500])
-    leaders = torch.tensor([0, 0, 0, 0, 6, 6, 9, 0])
-    shared = torch.tensor([300, 300, 299, 297, 101, 0, 0, 0])
-    q = torch.randn(len(rows), H, D, generator=g).to(dtype)
+    n_a, n_b = 288 // bs, 96 // bs
+    tables = [table(a[:n_a]), table(a[:n_a]), table(a[:n_a]), table(a[:n_a]), table(b[:n_b]), b, table([]), a]
+    leaders = torch.tensor([7, 7, 7, 7, 5, 5, 6, 7])
+    shared = torch.tensor([n_a * bs] * 4 + [n_b * bs, n_b * bs, 0, n_a * bs])
+    T = torch.tensor(tables)
+    q = torch.randn(len(tables), H, D, generator=g).to(dtype)
     for window in (-1, 64):
-        alone = mod.decode_attention(q, K, V, rows, positions, window, D ** -0.5, NONE, NONE)
-        grouped = mod.decode_attention(q, K, V, rows, positions, window, D ** -0.5, leaders, shared)
+        alone = mod.decode_attention(q, K, V, T, positions, window, D ** -0.5, NONE, NONE)
+        grouped = mod.decode_attention(q, K, V, T, positions, window, D ** -0.5, leaders, shared)
         assert torch.equal(alone, grouped)
-        err = (grouped.double() - reference(q, K, V, rows, positions, window)).abs().max().item()
+        err = (grouped.double() - reference(q, K, V, tables, positions, window)).abs().max().item()
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
-    # a shared prefix must lie within the entry's keys
+    # a shared prefix must lie within the entry's keys, in the same blocks as its leader's
     with pytest.raises(RuntimeError, match="shared prefix"):
-        mod.decode_attention(q, K, V, rows, positions, -1, D ** -0.5, leaders, positions + 1)
+        mod.decode_attention(q, K, V, T, positions, -1, D ** -0.5, leaders, positions + 1)
+    with pytest.raises(RuntimeError, match="same blocks"):
+        mod.decode_attention(q, K, V, T, positions, -1, D ** -0.5, torch.tensor([6] * 8), shared)
 
 
-def test_the_cache_knows_which_rows_copy_which_until_they_are_overwritten():
-    cache = KVCache(1, 8, 1, 4, 512, 512)
-    cache.written(0, 0, 200)                      # row 0 prefilled 200 positions
-    cache.copy_rows(0, [1, 2], 150)
-    cache.copy_rows(1, [3], 120)                  # a copy of a copy
-    cache.written(1, 150, 160)                    # rows append beyond what they copied: nothing changes
-    at = [160, 155, 130, 7]                       # where each row's next key goes
-    assert cache.shared_prefixes([1, 2, 3, 4], at) == ([0, 0, 0, 4], [150, 150, 120, 0])
-    assert cache.shared_prefixes([1, 4], [160, 7]) is None          # alone with its source: nothing to share
-    assert cache.shared_prefixes([0, 1], [200, 140]) == ([0, 0], [200, 140])   # the source in the batch joins
-    cache.written(0, 100, 110)                    # the leader rewritten from 100: the copies share 100 with it
-    assert cache.shared_prefixes([0, 1, 2, 3], [110, *at[:3]]) == ([0, 0, 0, 0], [110, 100, 100, 100])
-    cache.written(0, 0, 50)          # from 0: rows 1 and 2 still hold the same 150 positions (copies of one row)
-    assert cache.shared_prefixes([1, 2, 3], at[:3]) == ([2, 2, 2], [150, 155, 120])
-    cache.written(2, MIN_SHARED - 1, 20)          # too short to group on
-    assert cache.shared_prefixes([1, 2, 3], at[:3]) == ([1, 2, 1], [160, 0, 120])
-    cache.written(1, 0, 10)
-    assert cache.shared_prefixes([1, 2, 3], at[:3]) is None
+def test_entries_group_on_the_blocks_their_tables_share():
+    tables = [[1, 2, 3, 4], [1, 2, 9, 10], [1, 2, 3, 11], [5, 6], [7, 8], [5, 12]]
+    positions = [60, 40, 50, 20, 30, 3]
+    leaders, shared = find_shared_prefixes(tables, positions, 16)
+    # entries 0-2 share blocks 1 and 2 (32 keys); entry 5 is too short to read a shared block, so 3 is alone
+    assert leaders[:3] == [0, 0, 0] and shared[:3] == [32, 32, 32]
+    assert shared[3:] == [0, 0, 0]
+    assert find_shared_prefixes([[1, 2], [3, 4]], [30, 30], 16) is None
+    assert find_shared_prefixes([[1, 2], [1, 4]], [30, 10], 16) is None     # below one whole block
 
 
 def shared_prefix_requests(seed: int, vocab: int = 500):

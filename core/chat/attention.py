@@ -1,19 +1,18 @@
-"""Attention through the KV cache: how a pass's queries read the keys and values of their rows.
+"""Attention through the KV cache: how a pass's queries read the keys and values of their sequences.
 
-A pass with a cache (core/chat/kv_cache.py's `CacheBatch`) first writes its new keys and values at each row's
+A pass with a cache (core/chat/kv_cache.py's `CacheBatch`) first writes its new keys and values at each entry's
 positions; then:
 
-- decode on a CPU (one new token a row): csrc/cache_attention.cpp reads each row's keys and values where they lie
-  in the cache, from the first key the layer's window lets the query see to its own position. Nothing is
-  gathered, nothing is padded to the longest row, no mask is built; a row's result does not depend on its batch.
-  Rows whose first keys are copies of one row's (a prefix-cache hit, n samples of a prompt: the cache tracks
-  them) read that prefix once for all of them, from the row they copy (cascade attention), with the same bits
-  as alone. The kernel is compiled once per machine on first use (torch's cpp_extension, into its extensions
-  cache);
-- prefill on a CPU (where the kernel is built): torch's SDPA once per row, over a view of that row's keys (the
-  causal pass from position 0, bottom-right-aligned after a cached prefix): nothing gathered or padded;
+- decode on a CPU (one new token an entry): csrc/cache_attention.cpp reads each entry's keys and values where
+  they lie, block by block through its block table, from the first key the layer's window lets the query see to
+  its own position. Nothing is gathered, nothing is padded to the longest entry, no mask is built; an entry's
+  result does not depend on its batch. Entries whose tables begin with the same blocks (a prefix-cache hit, n
+  samples of a prompt) read those blocks once for all of them (cascade attention), with the same bits as alone.
+  The kernel is compiled once per machine on first use (torch's cpp_extension, into its extensions cache);
+- prefill on a CPU (where the kernel is built): torch's SDPA once per entry, over its own keys (gathered from its
+  blocks; the causal pass from position 0, bottom-right-aligned after a cached prefix), real tokens only;
 - everything else (windowed layers' prefill, CUDA, a machine where the kernel cannot be built): torch's SDPA
-  over the rows' keys (a view when the rows are contiguous, a gathered copy otherwise) under the pass's mask.
+  over the entries' keys gathered from their blocks, under the pass's mask.
 
 `path()` says which one decode takes here ("cpu-kernel" or "sdpa"); the engine reports it in its stats, and a
 failed build logs why, once.
@@ -64,7 +63,7 @@ def kernel():
                                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                                extra_ldflags=["-fopenmp"])
             except Exception as e:  # noqa: BLE001 - any failure leaves SDPA, which always works
-                logger.warning("decode attention stays on torch's SDPA (slower once rows are scattered or long): "
+                logger.warning("decode attention stays on torch's SDPA (slower: it gathers each entry's blocks): "
                                "building %s failed (%s: %s)", _SOURCE, type(e).__name__, e)
             _tried = True           # after the attempt: a thread that sees it sees its result
     return _kernel
@@ -94,43 +93,44 @@ def path(device: torch.device) -> str:
 def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache: CacheBatch,
                     window: int | None) -> torch.Tensor:
     """q (B, H, T, D), the pass's new k/v (B, Hkv, T, D) -> (B, H, T, D): the new keys and values written into
-    the cache, then each query over its row's keys up to its own position (from position - window on)."""
+    the cache, then each query over its entry's keys up to its own position (from position - window on)."""
     mod = kernel() if q.device.type == "cpu" else None
-    if mod is not None and k.dtype == cache.cache.k.dtype:
-        keys, values = cache.cache.k[layer], cache.cache.v[layer]
-        mod.write_kv(keys, values, k.contiguous(), v.contiguous(), cache.rows, cache.positions)
+    keys, values = cache.cache.k[layer], cache.cache.v[layer]
+    if mod is not None and k.dtype == keys.dtype:
+        mod.write_kv(keys, values, k.contiguous(), v.contiguous(), cache.slots)
     else:
-        keys, values = cache.write(layer, k, v)
+        cache.write(layer, k, v)
     B, H, T, D = q.shape
     if T == 1 and mod is not None and q.dtype == keys.dtype:
         leaders, shared = cache.shared if cache.shared is not None else (_NONE, _NONE)
         with threads(cache.threads):
-            out = mod.decode_attention(q.reshape(B, H, D).contiguous(), keys, values, cache.rows,
+            out = mod.decode_attention(q.reshape(B, H, D).contiguous(), keys, values, cache.tables,
                                        cache.positions[:, 0], -1 if window is None else window, D ** -0.5,
                                        leaders, shared)
         return out.view(B, H, 1, D)
-    if mod is not None and T > 1 and window is None and cache.starts is not None \
-            and max(cache.starts) + T <= cache.length:
+    if mod is not None and T > 1 and window is None and cache.starts is not None and cache.lengths is not None:
         with threads(cache.threads):
-            return prefill_in_place(q, keys, values, cache)
-    keys, values = cache.read(keys, values)
+            return prefill_in_place(q, layer, cache)
+    keys, values = cache.read(layer)
     lo = cache.window_start(window)       # a windowed layer reads only the keys its queries can see
     return F.scaled_dot_product_attention(q, keys[:, :, lo:].to(q.dtype), values[:, :, lo:].to(q.dtype),
                                           attn_mask=cache.mask_for(window), enable_gqa=H != k.size(1))
 
 
-def prefill_in_place(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache: CacheBatch) -> torch.Tensor:
-    """A prefill pass's queries, each row over its own cache row (a view: nothing gathered): from position 0 the
-    causal pass, after a cached prefix the bottom-right-aligned causal one (query t sees keys up to start + t).
-    A row's padded queries see its padded keys only; their outputs are never used."""
+def prefill_in_place(q: torch.Tensor, layer: int, cache: CacheBatch) -> torch.Tensor:
+    """A prefill pass's queries, each entry over its own keys (CacheBatch.entry: a view of its block when its keys
+    lie in one, else its blocks gathered): from position 0 the causal pass, after a cached prefix the
+    bottom-right-aligned causal one (query t sees keys up to start + t). Padded queries are not computed (their
+    outputs are zeros, never used)."""
     B, H, T, D = q.shape
-    gqa = H != keys.size(1)
-    out = torch.empty_like(q)
-    for b, (row, start) in enumerate(zip(cache.row_list, cache.starts)):
-        k, v = keys[row, :, :start + T].unsqueeze(0), values[row, :, :start + T].unsqueeze(0)
+    gqa = H != cache.cache.n_kv_head
+    out = q.new_zeros(q.shape) if any(n < T for n in cache.lengths) else torch.empty_like(q)
+    for b, (start, n) in enumerate(zip(cache.starts, cache.lengths)):
+        k, v = cache.entry(layer, b, start + n)
+        qb = q[b:b + 1, :, :n]
         if start == 0:
-            out[b:b + 1] = F.scaled_dot_product_attention(q[b:b + 1], k, v, is_causal=True, enable_gqa=gqa)
+            out[b:b + 1, :, :n] = F.scaled_dot_product_attention(qb, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            out[b:b + 1] = F.scaled_dot_product_attention(q[b:b + 1], k, v, attn_mask=causal_lower_right(T, start + T),
-                                                          enable_gqa=gqa)
+            out[b:b + 1, :, :n] = F.scaled_dot_product_attention(qb, k, v, attn_mask=causal_lower_right(n, start + n),
+                                                                 enable_gqa=gqa)
     return out

@@ -1,10 +1,11 @@
-"""The chat engine: continuous batching over a preallocated KV cache.
+"""The chat engine: continuous batching over a KV cache of shared blocks.
 
 Design (after vLLM's v1 engine, at nanochat's scale). A request is a prompt and `SamplingParams`; each of its
-`n` samples owns one row of the KV cache. `step()` is one round of three parts:
-- schedule (scheduler.py, no torch): take in new requests and aborts, give waiting requests rows (with the
-  longest cached prefix of their prompt, prefix_index.py), pick the prompt tokens to prefill and the samples
-  to decode;
+`n` samples holds a row (its per-sequence state) and a block table into the KV cache (kv_cache.py). `step()` is
+one round of three parts:
+- schedule (scheduler.py, no torch): take in new requests and aborts, give waiting requests rows and blocks
+  (sharing the cached blocks of their prompt's longest cached prefix, block_pool.py), pick the prompt tokens to
+  prefill and the samples to decode, a block for each sample that fills one (preempting when none is left);
 - run (here): one prefill pass over up to `prefill_chunk` prompt tokens, then one decode pass for every
   running sample (CUDA graphs on a GPU, eager otherwise), each followed by the sampler;
 - outputs (outputs.py, no model): each token through the calculator state machine, the text decoder and the
@@ -12,8 +13,8 @@ Design (after vLLM's v1 engine, at nanochat's scale). A request is a prompt and 
 A caller that streams can have the events ready before the decode pass (the first tokens of new prompts)
 handed over at once (`step(emit=...)`).
 
-`n` samples of a prompt share one prefill: its keys and values are copied to the sibling rows and each sample
-draws its own first token. A request may continue an earlier generation of the same prompt (`resume`: the
+`n` samples of a prompt share one prefill: the siblings share its full blocks (the partly filled last one is
+copied) and each sample draws its own first token. A request may continue an earlier generation of the same prompt (`resume`: the
 tokens that generation had delivered, e.g. on a replica that was lost): those tokens are prefilled after the
 prompt and replayed through the output side (their events dropped) and the penalties, and the sample's random
 stream advances one draw per token as it did in the first run, so the continuation is the rest of that run.
@@ -35,7 +36,7 @@ from .logits import LogitProcessor, LogprobResult, logprobs
 from .model import ChatNetwork
 from .outputs import OutputProcessor
 from .packed import PackedLinear, pack_linears
-from .protocol import EngineConfig, EngineStats, SamplingParams, TokenEvent
+from .protocol import KV_CPU_BYTES, KV_CUDA_SHARE, EngineConfig, EngineStats, SamplingParams, TokenEvent
 from .sampler import sample
 from .scheduler import Request, Sample, Scheduler, new_request
 from .tokenizer import ChatTokenizer
@@ -46,19 +47,19 @@ _ids = itertools.count()
 PAD_LIMIT = 1.25      # a prefill pass computes at most this many positions per prompt token it feeds
 
 
-def pad_groups(batch: list[tuple[Request, int]]) -> list[list[tuple[Request, int]]]:
-    """(request, tokens) chunks -> passes, longest first, each padding its chunks to its first's length and
-    computing at most PAD_LIMIT positions per real token (a chunk that alone would break that starts the next
+def pad_groups(batch: list[tuple[Request, Sample, int]]) -> list[list[tuple[Request, Sample, int]]]:
+    """(request, sample, tokens) chunks -> passes, longest first, each padding its chunks to its first's length
+    and computing at most PAD_LIMIT positions per real token (a chunk that alone would break that starts the next
     pass)."""
-    groups: list[list[tuple[Request, int]]] = []
+    groups: list[list[tuple[Request, Sample, int]]] = []
     real = 0
-    for item in sorted(batch, key=lambda rt: -rt[1]):
-        if groups and (len(groups[-1]) + 1) * groups[-1][0][1] <= PAD_LIMIT * (real + item[1]):
+    for item in sorted(batch, key=lambda rt: -rt[2]):
+        if groups and (len(groups[-1]) + 1) * groups[-1][0][2] <= PAD_LIMIT * (real + item[2]):
             groups[-1].append(item)
-            real += item[1]
+            real += item[2]
         else:
             groups.append([item])
-            real = item[1]
+            real = item[2]
     return groups
 
 
@@ -66,9 +67,9 @@ class LLMEngine:
     def __init__(self, model: ChatNetwork, tokenizer: ChatTokenizer, config: EngineConfig | None = None,
                  prefix_ids: list[int] | None = None, **settings):
         """config: the engine's settings (EngineConfig); keyword `settings` override single fields of it
-        (`LLMEngine(model, tok, max_rows=4)`). On a CUDA device with cuda_graphs, decode passes replay recorded
-        graphs (cuda_graphs.py) and the cache is allocated at full length, with one extra scratch row. The cache
-        has one more row, pinned to the few-shot prefix `prefix_ids`."""
+        (`LLMEngine(model, tok, max_rows=4)`). The KV cache is a pool of blocks of `kv_cache_memory` bytes
+        (cache_blocks); on a CUDA device with cuda_graphs, decode passes replay recorded graphs (cuda_graphs.py).
+        `prefix_ids` (the few-shot prefix) is computed once into blocks that stay cached for good."""
         config = dataclasses.replace(config or EngineConfig(), **settings)
         self.config = config
         self.model, self.tok = model.eval(), tokenizer
@@ -78,25 +79,23 @@ class LLMEngine:
         self.device = model.get_device()
         self.linear = self._pack(model) if self.device.type == "cpu" and config.packed_linear else "torch"
         self.attention = attention_path(self.device)     # builds the CPU kernel now, not at the first request
-        # decode reads a prefix that rows share once for them all (the CPU kernel's cascade)
+        # decode reads a prefix that sequences share once for them all (the CPU kernel's cascade)
         self.shared_prefixes = config.shared_prefix_attention and self.attention == "cpu-kernel"
         self.attention_threads = (config.attention_threads or 0) if self.device.type == "cpu" else 0
         dtype = next(model.parameters()).dtype
         self.dtype = str(dtype).removeprefix("torch.")
+        n_blocks = cache_blocks(cfg, config, dtype, self.device)
+        self.cache = KVCache.for_model(cfg, n_blocks, config.block_size, dtype=dtype, device=self.device)
+        self.scheduler = Scheduler(config, n_blocks, config.block_size)
         self.graphs = None
-        self.prefix_row = config.max_rows                # pinned to the few-shot prefix
         if config.cuda_graphs and self.device.type == "cuda":
-            self.cache = KVCache.for_model(cfg, config.max_rows + 2, cfg.sequence_len, dtype=dtype, device=self.device)
-            self.graphs = DecodeGraphs(model, self.cache, scratch_row=config.max_rows + 1, max_batch=config.max_rows)
-        else:
-            self.cache = KVCache.for_model(cfg, config.max_rows + 1, config.initial_cache_len, dtype=dtype,
-                                           device=self.device)
+            self.graphs = DecodeGraphs(model, self.cache, max_batch=config.max_rows)
         self.outputs = OutputProcessor(tokenizer, cfg.sequence_len)
-        self.scheduler = Scheduler(config)
         self.logits = LogitProcessor(config.max_rows, cfg.vocab_size, self.device)
         self.grammars = TokenMasks(tokenizer, cfg.vocab_size, self.outputs.stop_tokens, config.max_rows, self.device)
         self._observed: tuple[list[int], list[int]] = ([], [])   # (row, token) appended to processed rows
         self.prefix_ids: list[int] = []
+        self._prefix_blocks: list[int] = []
         if prefix_ids:
             self.set_prefix(prefix_ids)
 
@@ -135,21 +134,25 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
-        running, waiting, positions = self.scheduler.counts()
-        pool = self.scheduler.pool
-        return EngineStats(running, waiting, self.max_rows - pool.n_free, self.max_rows, positions,
-                           self.max_rows * self.sequence_len, pool.query_tokens, pool.hit_tokens, pool.cached_rows,
-                           pool.cached_tokens())
+        return self.scheduler.stats()
 
     # ---- the few-shot prefix
     @torch.inference_mode()
     def set_prefix(self, prefix_ids: list[int]) -> None:
-        """Prefill `prefix_ids` once into the pinned row; prompts that start with them copy its keys and values."""
+        """Compute `prefix_ids` once into blocks that the engine holds for good: prompts that start with them share
+        their full blocks (the prefix cache's ordinary hit)."""
+        pool = self.scheduler.pool
+        pool.release(self._prefix_blocks)
+        blocks = pool.allocate(pool.blocks_for(len(prefix_ids)))
+        if blocks is None:
+            raise ValueError(f"the few-shot prefix ({len(prefix_ids)} tokens) does not fit the KV cache")
+        self.cache.touch(pool.touched)
         ids = torch.tensor([prefix_ids], device=self.device)
-        self.model(ids, CacheBatch.build(self.cache, [self.prefix_row], [0], len(prefix_ids)),
+        self.model(ids, CacheBatch.build(self.cache, [blocks], [0], len(prefix_ids)),
                    last=torch.tensor([0], device=self.device))
-        self.prefix_ids = list(prefix_ids)
-        self.scheduler.pool.pin(self.prefix_row, self.prefix_ids)
+        if self.config.prefix_caching:
+            pool.commit(blocks, list(prefix_ids), 0)
+        self.prefix_ids, self._prefix_blocks = list(prefix_ids), blocks
 
     # ---- one round: schedule, run, outputs
     @torch.inference_mode()
@@ -169,6 +172,9 @@ class LLMEngine:
             emit(events)
             events = []
         if decoding:
+            decoding = sched.grow(decoding)
+            self.cache.touch(sched.pool.touched)
+        if decoding:
             self._decode(decoding, events)
         sched.retire()
         return events
@@ -176,10 +182,9 @@ class LLMEngine:
     def _admit(self, events: list[TokenEvent]) -> None:
         for adm in self.scheduler.admit():
             req = adm.request
-            if adm.copy_from:
-                src, length = adm.copy_from
-                self.cache.ensure_capacity(length)
-                self.cache.copy_rows(src, [req.samples[0].row], length)
+            if req.started:                            # preempted earlier: its keys are computed again
+                self.scheduler.start_prefill(req)
+                continue
             if req.params.processes_logits:
                 for s in req.samples:
                     self.logits.start(s.row, req.params, req.prompt)
@@ -189,6 +194,7 @@ class LLMEngine:
             if req.params.grammar is not None:         # the first masks, computed while the prompt prefills
                 self.grammars.advance([(s.matcher, s.row, list(req.resume)) for s in req.samples])
             self.scheduler.start_prefill(req)
+        self.cache.touch(self.scheduler.pool.touched)
 
     def _replay(self, req: Request, s: Sample, events: list[TokenEvent]) -> bool:
         """Bring sample `s` to where the run it continues stopped: the resumed tokens go through the output side
@@ -206,51 +212,53 @@ class LLMEngine:
             self.logits.observe([s.row] * len(req.resume), list(req.resume))
         return True
 
-    def _prefill(self, batch: list[tuple[Request, int]], events: list[TokenEvent]) -> None:
+    def _prefill(self, batch: list[tuple[Request, Sample, int]], events: list[TokenEvent]) -> None:
         """The step's prompt chunks, in passes of chunks of similar length (`pad_groups`): a pass pads every
         chunk to its longest, and one pass for 32 prompts of 16-96 tokens computed 1.6 positions per token."""
         for group in pad_groups(batch):
             self._prefill_pass(group, events)
 
-    def _prefill_pass(self, batch: list[tuple[Request, int]], events: list[TokenEvent]) -> None:
-        T = max(take for _, take in batch)
+    def _prefill_pass(self, batch: list[tuple[Request, Sample, int]], events: list[TokenEvent]) -> None:
+        T = max(take for _, _, take in batch)
         ids = torch.zeros(len(batch), T, dtype=torch.long)
-        for j, (req, take) in enumerate(batch):
-            ids[j, :take] = torch.tensor(req.feed[req.prefilled:req.prefilled + take])
-        rows = [req.samples[0].row for req, _ in batch]
-        start = [req.prefilled for req, _ in batch]
-        previous = ([req.feed[p - 1] if p else -1 for req, p in zip((r for r, _ in batch), start)]
-                    if self.model.needs_previous else None)
-        # right padding: a padded position lies beyond its row's prompt, is masked for that row's queries and is
-        # overwritten before the row ever reaches it.
-        cb = CacheBatch.build(self.cache, rows, start, T, previous, threads=self.attention_threads,
-                              lengths=[take for _, take in batch])
-        last = torch.tensor([take - 1 for _, take in batch], device=self.device)
-        if any(req.prompt_entries is not None for req, _ in batch):
+        tokens = [req.tokens(s) for req, s, _ in batch]
+        for j, (req, s, take) in enumerate(batch):
+            ids[j, :take] = torch.tensor(tokens[j][s.position:s.position + take])
+        start = [s.position for _, s, _ in batch]
+        previous = ([t[p - 1] if p else -1 for t, p in zip(tokens, start)] if self.model.needs_previous else None)
+        # right padding: a padded position is written to the scratch block and never read
+        cb = CacheBatch.build(self.cache, [s.blocks for _, s, _ in batch], start, T, previous,
+                              threads=self.attention_threads, lengths=[take for _, _, take in batch])
+        last = torch.tensor([take - 1 for _, _, take in batch], device=self.device)
+        if any(req.prompt_entries is not None for req, _, _ in batch):
             hidden = self.model.hidden(ids.to(self.device), cb)
-            for j, (req, take) in enumerate(batch):
+            for j, (req, s, take) in enumerate(batch):
                 if req.prompt_entries is not None:
-                    self._score_prompt(req, hidden[j, :take])
+                    self._score_prompt(req, s.position, hidden[j, :take])
             logits = self.model.logits(hidden[torch.arange(len(batch), device=self.device), last])
         else:
             logits = self.model(ids.to(self.device), cb, last=last)
         finished = []
-        for j, (req, take) in enumerate(batch):
-            req.prefilled += take
-            if req.prefilled == len(req.feed):
+        for j, (req, s, take) in enumerate(batch):
+            s.position += take
+            self.scheduler.filled(req, s)
+            if all(x.position >= x.target or x.finished for x in req.samples):
                 finished.append((j, req))
         if not finished:
             return
-        # each sample of a finished prompt draws its own first token from the prompt's last logits
+        # each sample of a finished prompt draws its own first token from the prompt's last logits; a preempted
+        # request's samples go on from their pending tokens
         rows_logits, targets = [], []
         for j, req in finished:
+            started = req.started
+            for src, dst in self.scheduler.prefilled(req):
+                self.cache.copy_block(src, [dst])
+            if started:
+                continue
             fed = len(req.feed)
-            self.cache.copy_rows(req.samples[0].row, [s.row for s in req.samples[1:]], fed)
             scored = self.scheduler.scored(req) if req.prompt_entries is not None else None
-            self.scheduler.prefilled(req)
             if req.max_new == 0:                    # the prompt is scored; nothing is generated
                 for s in req.samples:
-                    s.position = fed
                     finish = self.outputs.finish(req, s.output, "length")
                     if s is req.samples[0] and scored is not None:
                         finish = msgspec.structs.replace(finish, prompt_logprobs=scored)
@@ -258,16 +266,16 @@ class LLMEngine:
                 continue
             req.scored = scored
             for s in req.samples:
-                s.position = fed
+                assert s.position == fed
                 rows_logits.append(j)
                 targets.append((req, s))
         if targets:
             self._sample_and_accept(logits[torch.tensor(rows_logits, device=self.device)], targets, events)
 
-    def _score_prompt(self, req: Request, hidden: torch.Tensor) -> None:
-        """The log-probabilities of the prompt tokens this prefill chunk predicts (the model's own: before bias,
-        penalties and temperature), with the most probable tokens at each place, added to req.prompt_entries."""
-        start = req.prefilled
+    def _score_prompt(self, req: Request, start: int, hidden: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens this prefill chunk (from position `start`) predicts (the
+        model's own: before bias, penalties and temperature), with the most probable tokens at each place, added
+        to req.prompt_entries."""
         n = min(len(hidden), len(req.prompt) - 1 - start)     # positions whose next token is a prompt token
         if n <= 0:
             return
@@ -283,22 +291,25 @@ class LLMEngine:
         req.prompt_entries += [(t, c, top) for t, c, top in zip(req.prompt[start + 1:start + 1 + n], chosen, tops)]
 
     def _decode(self, decoding: list[tuple[Request, Sample]], events: list[TokenEvent]) -> None:
-        rows, positions = [s.row for _, s in decoding], [s.position for _, s in decoding]
+        tables, positions = [s.blocks for _, s in decoding], [s.position for _, s in decoding]
         previous = [req.token_at(s, s.position - 1) for req, s in decoding] if self.model.needs_previous else None
         logits = None
         if self.graphs is not None:
             try:
-                logits = self.graphs.run([s.pending for _, s in decoding], rows, positions, previous)
+                logits = self.graphs.run([s.pending for _, s in decoding], tables, positions, previous)
             except GraphCaptureError:
                 logger.exception("CUDA graphs for decode are off from now on; decoding eagerly")
                 self.graphs = None
         if logits is None:
             ids = torch.tensor([[s.pending] for _, s in decoding], device=self.device)
-            cb = CacheBatch.build(self.cache, rows, positions, 1, previous, self.shared_prefixes,
+            cb = CacheBatch.build(self.cache, tables, positions, 1, previous, self.shared_prefixes,
                                   self.attention_threads)
             logits = self.model(ids, cb, last=torch.zeros(len(decoding), dtype=torch.long, device=self.device))
-        for _, s in decoding:
+        bs = self.cache.block_size
+        for req, s in decoding:
             s.position += 1
+            if s.position % bs == 0:
+                self.scheduler.filled(req, s)
         self._sample_and_accept(logits, decoding, events)
 
     # ---- sampling, then each token to the output side
@@ -359,3 +370,25 @@ class LLMEngine:
         events = [self.outputs.fail(req, s.output, reason) for req, s in self.scheduler.unfinished()]
         self.scheduler.retire()
         return events
+
+
+def cache_blocks(model_config, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """How many blocks the KV cache has: `kv_cache_memory` bytes (default: KV_CUDA_SHARE of the memory free on a
+    CUDA device after the weights, KV_CPU_BYTES on a CPU) over one block's bytes; at least enough for one
+    sequence of the model's whole context, or a ValueError says what to raise."""
+    per_block = KVCache.block_bytes(model_config, config.block_size, dtype)
+    memory = config.kv_cache_memory
+    if memory is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            memory = int(free * KV_CUDA_SHARE)
+        else:
+            memory = KV_CPU_BYTES
+    n_blocks = memory // per_block
+    need = 1 + -(-model_config.sequence_len // config.block_size)
+    if n_blocks < need:
+        raise ValueError(f"chat_kv_cache_memory of {memory} bytes holds {n_blocks} blocks of {per_block} bytes; one "
+                         f"sequence of the model's {model_config.sequence_len} positions needs {need} "
+                         f"({need * per_block} bytes)")
+    return n_blocks
+

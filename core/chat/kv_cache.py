@@ -1,15 +1,15 @@
-"""A preallocated key/value cache with one row per running sequence.
+"""The KV cache as a pool of fixed-size blocks, and where one forward pass reads and writes in it.
 
-Layout per layer: (rows, kv_heads, capacity, head_dim). The model writes a batch's keys and values
-at each row's own positions and attends over the prefix of its rows; the engine, not the model,
-owns the per-row lengths. Capacity starts small and grows (by allocating and copying, so contents
-survive; `resize_` would scramble them) up to the model's sequence length; the
-number of rows is fixed, which is what bounds memory.
+Layout per layer: (blocks, kv_heads, block_size, head_dim). A sequence's positions live in the blocks its block
+table lists, in order: position p at block table[p // block_size], offset p % block_size. Sequences that share a
+prefix list the same blocks (block_pool.py decides which ids a sequence gets, and which it shares); nothing is
+copied for a prefix-cache hit, and memory per stored token is the floor: 2 x layers x kv_heads x head_dim x
+bytes per element, plus the unfilled end of each sequence's last block.
 
-The cache also knows which rows begin with copies of another row's keys (`copy_rows`: a prefix-cache hit
-copied in, the n samples of one prompt) and for how many positions they still do: a write below that length,
-into either row, shortens it. A decode pass on the CPU reads such a shared prefix once for all the rows that
-hold it (`shared_prefixes`, csrc/cache_attention.cpp).
+The pool is allocated once at its full size (`chat_kv_cache_memory`) but touched lazily: a block's memory is
+zeroed the first time it is handed out, so on a CPU the resident memory is what has been used (a torch.empty
+of gigabytes costs nothing until written), and every position a masked read may see holds a finite value.
+Block 0 is scratch: padded positions are written there and block tables are padded with it.
 """
 from __future__ import annotations
 
@@ -17,106 +17,94 @@ from dataclasses import dataclass, field
 
 import torch
 
-MIN_SHARED = 16          # a shared prefix shorter than this is not worth grouping rows for
+from .block_pool import SCRATCH
 
 
 class KVCache:
-    def __init__(self, n_layer: int, rows: int, n_kv_head: int, head_dim: int, max_len: int,
-                 initial_len: int | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
-        self.n_layer, self.rows, self.n_kv_head, self.head_dim = n_layer, rows, n_kv_head, head_dim
-        self.max_len = max_len
+    def __init__(self, n_layer: int, n_blocks: int, n_kv_head: int, head_dim: int, block_size: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if block_size % 4:
+            raise ValueError(f"the KV cache's block size must be a multiple of 4 (the decode kernel reads keys in "
+                             f"fours), got {block_size}")
+        self.n_layer, self.n_blocks, self.n_kv_head, self.head_dim = n_layer, n_blocks, n_kv_head, head_dim
+        self.block_size, self.max_len = block_size, max_len
+        self.max_blocks = -(-max_len // block_size)      # a table's longest length
         self.dtype, self.device = dtype, torch.device(device)
-        cap = min(max_len, initial_len or max_len)
-        self.k = torch.zeros(n_layer, rows, n_kv_head, cap, head_dim, dtype=dtype, device=self.device)
-        self.v = torch.zeros_like(self.k)
-        self.filled = [0] * rows                      # per row: 1 + the last position of a real token written
-        self.sources: dict[int, tuple[int, int]] = {}   # row -> (row it copied its first n positions from, n)
+        shape = (n_layer, n_blocks, n_kv_head, block_size, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=self.device)
+        self.v = torch.empty(shape, dtype=dtype, device=self.device)
+        self._zeroed = 0                                  # blocks below this hold finite values
+        self.touch(SCRATCH + 1)
+
+    @staticmethod
+    def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes over all layers, keys and values."""
+        return 2 * config.n_layer * config.n_kv_head * config.head_dim * block_size * dtype.itemsize
 
     @classmethod
-    def for_model(cls, config, rows: int, initial_len: int | None = None, dtype=torch.float32,
+    def for_model(cls, config, n_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
                   device="cpu") -> "KVCache":
-        return cls(config.n_layer, rows, config.n_kv_head, config.head_dim, config.sequence_len,
-                   initial_len, dtype, device)
+        return cls(config.n_layer, n_blocks, config.n_kv_head, config.head_dim, block_size, config.sequence_len,
+                   dtype, device)
 
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[3]
+    def touch(self, upto: int) -> None:
+        """Blocks below `upto` are about to be used: zero those never zeroed (once each)."""
+        if upto > self._zeroed:
+            self.k[:, self._zeroed:upto] = 0
+            self.v[:, self._zeroed:upto] = 0
+            self._zeroed = upto
 
-    def ensure_capacity(self, length: int) -> None:
-        """Make room for positions < length, keeping what is stored."""
-        if length <= self.capacity:
-            return
-        if length > self.max_len:
-            raise ValueError(f"KV cache length {length} exceeds the model's sequence length {self.max_len}")
-        new_cap = min(self.max_len, max(length, 2 * self.capacity))
-        shape = (self.n_layer, self.rows, self.n_kv_head, new_cap, self.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        v = torch.zeros_like(k)
-        k[:, :, :, :self.capacity] = self.k
-        v[:, :, :, :self.capacity] = self.v
-        self.k, self.v = k, v
-
-    def copy_rows(self, src: int, dsts: list[int], length: int) -> None:
-        """Copy the first `length` positions of row `src` into each row in `dsts` (n samples, one prefill)."""
-        if not dsts or length == 0:
-            return
-        idx = torch.tensor(dsts, device=self.device)
-        self.k[:, idx, :, :length] = self.k[:, src:src + 1, :, :length]
-        self.v[:, idx, :, :length] = self.v[:, src:src + 1, :, :length]
-        for d in dsts:
-            self.written(d, 0, length)
-            if length >= MIN_SHARED:
-                self.sources[d] = (src, length)
-
-    def written(self, row: int, start: int, end: int) -> None:
-        """Positions start..end-1 of `row` are (about to be) written: a copy relation that covers them ends there.
-        Rows that copied more than that from `row` still hold the same keys as each other: the one that copied
-        most becomes the others' source."""
-        if start < self.filled[row]:
-            src = self.sources.get(row)
-            if src is not None and src[1] > start:
-                self._shorten(row, src[0], start)
-            cut = sorted(((n, dst) for dst, (s, n) in self.sources.items() if s == row and n > start), reverse=True)
-            if cut:
-                n0, heir = cut[0]
-                self._shorten(heir, row, start)
-                for n, dst in cut[1:]:
-                    self.sources[dst] = (heir, n)      # n <= n0: the heir holds them too
-        self.filled[row] = max(self.filled[row], end)
-
-    def _shorten(self, dst: int, src: int, n: int) -> None:
-        if n >= MIN_SHARED:
-            self.sources[dst] = (src, n)
-        else:
-            del self.sources[dst]
-
-    def shared_prefixes(self, rows: list[int], positions: list[int]) -> tuple[list[int], list[int]] | None:
-        """For each of `rows`, whose next key goes at `positions`: the row whose keys its first positions copy
-        (following copies of copies back to the first; a row that others copy is its own) and how many positions
-        before its next key it shares with that row; a row that shares with no other row of the batch gets 0.
-        None when no two rows share."""
-        if not self.sources:
-            return None
-        leaders, lengths = [], []
-        for r, pos in zip(rows, positions):
-            lead, n = r, pos
-            for _ in range(len(self.sources)):     # a chain visits each row once (copies point to older rows)
-                if lead not in self.sources:
-                    break
-                lead, m = self.sources[lead]
-                n = min(n, m)
-            leaders.append(lead)
-            lengths.append(n)
-        counts: dict[int, int] = {}
-        for lead in leaders:
-            counts[lead] = counts.get(lead, 0) + 1
-        if not any(c > 1 for c in counts.values()):
-            return None
-        return leaders, [n if counts[lead] > 1 else 0 for lead, n in zip(leaders, lengths)]
+    def copy_block(self, src: int, dsts: list[int]) -> None:
+        """Block `src`'s keys and values, every layer, into each of `dsts` (a partly filled last block that
+        another sequence will write on: copy on write)."""
+        if dsts:
+            idx = torch.tensor(dsts, device=self.device)
+            self.k[:, idx] = self.k[:, src:src + 1]
+            self.v[:, idx] = self.v[:, src:src + 1]
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+    def tables(self, n: int, length: int) -> list[list[int]]:
+        """Block tables for `n` sequences of up to `length` positions in disjoint blocks 1, 2, ... (tests and
+        benchmarks that address the cache without a pool)."""
+        per = -(-length // self.block_size)
+        if 1 + n * per > self.n_blocks:
+            raise ValueError(f"{n} sequences of {length} positions need {1 + n * per} blocks; the cache has "
+                             f"{self.n_blocks}")
+        self.touch(1 + n * per)
+        return [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(n)]
+
+
+def find_shared_prefixes(tables: list[list[int]], positions: list[int], block_size: int,
+                    min_shared: int = 1) -> tuple[list[int], list[int]] | None:
+    """For decode entries with these block tables, whose next key goes at `positions`: entries whose tables begin
+    with the same blocks (a prefix-cache hit, n samples of one prompt) read those keys once for the group. ->
+    (leaders, shared): per entry, the batch index whose table the group reads its shared keys from, and how many
+    keys (whole blocks, below each member's position) it shares; 0 for an entry in no group. None when no two
+    entries share `min_shared` blocks."""
+    groups: dict[int, list[int]] = {}
+    for b, t in enumerate(tables):
+        if t and positions[b] >= block_size:
+            groups.setdefault(t[0], []).append(b)
+    leaders, shared = list(range(len(tables))), [0] * len(tables)
+    found = False
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        lead = tables[members[0]]
+        common = min(positions[b] for b in members) // block_size
+        for b in members[1:]:
+            t, n = tables[b], 0
+            while n < common and t[n] == lead[n]:
+                n += 1
+            common = n
+        if common < min_shared:
+            continue
+        found = True
+        for b in members:
+            leaders[b], shared[b] = members[0], common * block_size
+    return (leaders, shared) if found else None
 
 
 @dataclass
@@ -124,48 +112,55 @@ class CacheBatch:
     """Where one forward pass reads and writes in the cache: computed once per pass, shared by every layer."""
 
     cache: KVCache
-    rows: torch.Tensor            # (B,) row of each batch entry
-    row_slice: slice | None       # the same rows as a slice when they are contiguous and ascending (no gather)
+    tables: torch.Tensor          # (B, blocks) each entry's block table, padded with the scratch block
+    slots: torch.Tensor           # (B, T) where each input token's key goes: block * block_size + offset
     positions: torch.Tensor       # (B, T) absolute position of each input token
     mask: torch.Tensor | None     # (B, 1, T, L) True where a query may attend; None: made when a path needs it
-    length: int                   # L: keys read per row
-    # (B,) the token just before each row's first input, -1 at position 0: a model that mixes in the previous
-    # token (nanochat's smear) reads it here at a row's first new position. None: not given, which such a model
-    # accepts only when every row starts at 0 (`starts_at_zero`).
+    length: int                   # L: keys read per entry (the longest entry's end)
+    # (B,) the token just before each entry's first input, -1 at position 0: a model that mixes in the previous
+    # token (nanochat's smear) reads it here at an entry's first new position. None: not given, which such a
+    # model accepts only when every entry starts at 0 (`starts_at_zero`).
     previous: torch.Tensor | None = None
-    starts: list[int] | None = None       # each row's first position (build's `start`); None: not known here
-    row_list: list[int] | None = None     # the rows, as given
-    # decode: (leaders, shared) tensors, (B,) each: the row whose first shared[b] keys row b's copy (KVCache.
-    # shared_prefixes); None: no two rows share a prefix, or the pass does not read them so
+    starts: list[int] | None = None       # each entry's first position (build's `start`); None: not known here
+    lengths: list[int] | None = None      # each entry's real input tokens (the rest of T is right padding)
+    table_list: list[list[int]] | None = None   # the tables, as given
+    # decode: (leaders, shared) tensors, (B,) each; None: no two entries share a prefix, or the
+    # pass does not read them so (find_shared_prefixes)
     shared: tuple[torch.Tensor, torch.Tensor] | None = None
     threads: int = 0                      # torch threads for the pass's attention on a CPU (0: as they are)
     _windowed: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, cache: KVCache, rows: list[int], start: list[int], T: int,
+    def build(cls, cache: KVCache, tables: list[list[int]], start: list[int], T: int,
               previous: list[int] | None = None, shared_prefixes: bool = False, threads: int = 0,
               lengths: list[int] | None = None) -> "CacheBatch":
-        """previous: the token before each row's `start` (-1 where start is 0); needed when a row starts later
-        and the model reads it (ChatNetwork.needs_previous). shared_prefixes: look up the prefixes the rows
-        share (for decode attention that reads them once). lengths: the real tokens of each row (default T; the
-        rest is right padding, written but never read before the row overwrites it, so the cache does not count
-        it as written: the row's next write then continues where it really ends)."""
-        device = cache.device
-        end = min(max(start) + T, cache.max_len)
-        cache.ensure_capacity(end)
-        for r, s0, n in zip(rows, start, lengths or [T] * len(rows)):
-            cache.written(r, s0, min(s0 + n, cache.max_len))
-        shared = cache.shared_prefixes(rows, start) if shared_prefixes else None
-        rows_t = torch.tensor(rows, device=device)
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        # Right-padded batches may run past the end of the cache with padding tokens: those positions are
-        # clamped onto the last slot, which lies beyond every real token of the row and is overwritten before use.
+        """tables: each entry's block table, covering its positions start .. start + its length - 1. previous: the
+        token before each entry's `start` (-1 where start is 0); needed when an entry starts later and the model
+        reads it (ChatNetwork.needs_previous). shared_prefixes: look up the prefixes the entries share (for decode
+        attention that reads them once). lengths: the real tokens of each entry (default T); the padding after
+        them is written to the scratch block and never read."""
+        device, bs = cache.device, cache.block_size
+        lengths = list(lengths) if lengths is not None else [T] * len(tables)
+        end = max(s0 + n for s0, n in zip(start, lengths))
+        if end > cache.max_len:
+            raise ValueError(f"a pass reaches position {end - 1}; the model's sequence length is {cache.max_len}")
+        width = max(1, -(-end // bs))
+        padded = [t[:width] + [SCRATCH] * (width - len(t[:width])) for t in tables]
+        slots = []
+        for t, s0, n in zip(tables, start, lengths):
+            if len(t) * bs < s0 + n:
+                raise ValueError(f"a block table of {len(t)} blocks cannot hold positions up to {s0 + n - 1}")
+            slots.append([t[p // bs] * bs + p % bs for p in range(s0, s0 + n)] + [SCRATCH * bs] * (T - n))
         positions = torch.tensor(start, device=device)[:, None] + torch.arange(T, device=device)[None, :]
         positions = positions.clamp_(max=cache.max_len - 1)
         prev = torch.tensor(previous, device=device) if previous is not None else None
-        return cls(cache, rows_t, slice(rows[0], rows[0] + len(rows)) if contiguous else None, positions, None,
-                   end, prev, list(start), list(rows),
-                   None if shared is None else (torch.tensor(shared[0]), torch.tensor(shared[1])), threads)
+        shared = None
+        if shared_prefixes and T == 1 and len(tables) > 1:
+            found = find_shared_prefixes(tables, start, bs)
+            if found is not None:
+                shared = (torch.tensor(found[0]), torch.tensor(found[1]))
+        return cls(cache, torch.tensor(padded, device=device), torch.tensor(slots, device=device), positions, None,
+                   end, prev, list(start), lengths, tables, shared, threads)
 
     @property
     def starts_at_zero(self) -> bool:
@@ -196,17 +191,38 @@ class CacheBatch:
             m = self._windowed[window] = self.mask[..., lo:] & (self.positions[:, None, :, None] - keys <= window)
         return m
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: (B, Hkv, T, D) for the new tokens, written at each row's positions -> the layer's whole cache
-        (rows, Hkv, capacity, D), keys and values (where the CPU kernel's write_kv is not used: attention.py)."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (B, Hkv, T, D) for the new tokens, written at each entry's slots (where the CPU kernel's
+        write_kv is not used: attention.py)."""
+        bs = self.cache.block_size
+        blocks, offsets = self.slots // bs, self.slots % bs
         K, V = self.cache.k[layer], self.cache.v[layer]
-        idx = (self.rows[:, None], slice(None), self.positions)
-        K[idx] = k.transpose(1, 2).to(K.dtype)
-        V[idx] = v.transpose(1, 2).to(V.dtype)
-        return K, V
+        K[blocks, :, offsets] = k.transpose(1, 2).to(K.dtype)
+        V[blocks, :, offsets] = v.transpose(1, 2).to(V.dtype)
 
-    def read(self, K: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pass's rows of a layer's cache, (B, Hkv, L, D): a view when the rows are contiguous, else a copy."""
-        if self.row_slice is not None:
-            return K[self.row_slice, :, :self.length], V[self.row_slice, :, :self.length]
-        return K[self.rows, :, :self.length], V[self.rows, :, :self.length]
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pass's entries' keys and values of a layer, gathered from their blocks: (B, Hkv, L, D) each."""
+        K, V = self.cache.k[layer], self.cache.v[layer]
+        B, n = self.tables.shape
+        Hkv, bs, D = K.shape[1], K.shape[2], K.shape[3]
+
+        def gather(X: torch.Tensor) -> torch.Tensor:
+            return X[self.tables].transpose(1, 2).reshape(B, Hkv, n * bs, D)[:, :, :self.length]
+
+        return gather(K), gather(V)
+
+    def entry(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entry b's first `length` keys and values of a layer, (1, Hkv, length, D) each: a view of its block
+        when they lie in one, else gathered."""
+        K, V = self.cache.k[layer], self.cache.v[layer]
+        bs = self.cache.block_size
+        blocks = self.table_list[b][:-(-length // bs)]
+        if len(blocks) == 1:
+            return K[blocks[0], :, :length].unsqueeze(0), V[blocks[0], :, :length].unsqueeze(0)
+        idx = torch.tensor(blocks, device=K.device)
+        Hkv, D = K.shape[1], K.shape[3]
+
+        def gather(X: torch.Tensor) -> torch.Tensor:
+            return X[idx].transpose(0, 1).reshape(1, Hkv, len(blocks) * bs, D)[:, :, :length]
+
+        return gather(K), gather(V)

@@ -42,6 +42,8 @@ GREEDY_BELOW = 1e-5             # a temperature below this is greedy, its limit 
 CPU_POLICIES = ("normal", "idle")   # for the engine process: see engine_process.set_cpu_policy
 ENGINE_KINDS = ("model", "synthetic")  # the checkpoint's model, or synthetic.py's engine without one (benchmarks)
 DTYPES = ("auto", "float32", "bfloat16")   # EngineConfig.dtype
+KV_CPU_BYTES = 2 << 30              # the KV cache's default size on a CPU (EngineConfig.kv_cache_memory)
+KV_CUDA_SHARE = 0.85                # on CUDA, the default share of the memory left after the weights
 H200_STEP_S = 0.00125               # one decode step of the demo model on an H200 (docs/deployment.md)
 
 
@@ -305,17 +307,24 @@ def decode_events(data: bytes) -> list[TokenEvent]:
 class EngineStats(msgspec.Struct, frozen=True):
     running: int
     waiting: int
-    rows_used: int
+    rows_used: int                   # sequences holding a row (max_rows of them run at once)
     rows_total: int
-    cache_tokens: int                # positions stored in the KV cache across rows
-    cache_capacity: int              # rows * sequence_len
-    prefix_query_tokens: int = 0     # prompt tokens looked up in the prefix index
-    prefix_hit_tokens: int = 0       # of those, found in a cached row (reused, not computed)
-    cached_rows: int = 0             # free rows that hold a prefix
-    cached_prefix_tokens: int = 0    # tokens those rows hold
+    cache_tokens: int                # positions stored in the KV cache for running sequences
+    cache_capacity: int              # positions the KV cache's blocks hold in all
+    prefix_query_tokens: int = 0     # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0       # of those, found in cached blocks (reused, not computed)
+    blocks_total: int = 0            # KV-cache blocks a sequence can hold
+    blocks_used: int = 0             # held by running sequences (the rest are free or cache a prefix)
+    blocks_cached: int = 0           # held by nobody and caching a prefix (kept until a block is needed)
+    block_size: int = 0              # positions per block
+    preemptions: int = 0             # running requests whose blocks were taken back, to be computed again
+    evictions: int = 0               # cached blocks reused for something else
 
     @property
     def cache_usage(self) -> float:
+        """Share of the KV cache's blocks held by running sequences (vLLM's kv_cache_usage_perc)."""
+        if self.blocks_total:
+            return self.blocks_used / self.blocks_total
         return self.cache_tokens / self.cache_capacity if self.cache_capacity else 0.0
 
 
@@ -325,12 +334,15 @@ class EngineConfig:
     """How a chat engine runs: its rows and queues (LLMEngine) and where it steps (engine_process.start_engine).
     Each default here is the one default of that setting (the deployment's settings embed this record)."""
 
-    max_rows: int = 32              # concurrent sequences = KV-cache rows
+    max_rows: int = 32              # sequences in one step at most (vLLM's max_num_seqs); each holds a row of state
     prefill_chunk: int = 512        # prompt tokens prefilled per step while other streams decode
     max_waiting: int = 256          # requests queued inside the engine before it refuses (EngineFull)
-    initial_cache_len: int | None = 256   # cache positions allocated at first (grown on demand; CPU only)
-    cuda_graphs: bool = True        # on CUDA, decode passes replay recorded graphs (the cache is then full length)
-    prefix_caching: bool = True     # reuse the keys and values finished requests leave in their rows
+    # bytes of KV cache (the block pool; kv_cache.py). None: on CUDA KV_CUDA_SHARE of the device memory left free
+    # after the weights, on a CPU KV_CPU_BYTES (touched as it is used, so resident memory is what is used)
+    kv_cache_memory: int | None = None
+    block_size: int = 16            # positions per KV-cache block (a multiple of 4: the decode kernel's tile)
+    cuda_graphs: bool = True        # on CUDA, decode passes replay recorded graphs
+    prefix_caching: bool = True     # reuse the keys and values of prompts computed before (shared blocks)
     process: bool = True            # step the engine in a child process (engine_process.py), not on a thread
     torch_threads: int | None = None   # torch's intra-op threads for the model (None: torch's choice)
     cpu_policy: Literal["normal", "idle"] = "normal"   # "idle": the engine process runs under SCHED_IDLE
@@ -363,6 +375,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, not {self.dtype!r}")
         if self.max_rows < 1 or self.max_waiting < 0:
             raise ValueError("max_rows must be at least 1 and max_waiting not negative")
+        if self.block_size < 4 or self.block_size % 4:
+            raise ValueError(f"block_size must be a positive multiple of 4, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
 
 
 # ---- the engine process's messages

@@ -1,11 +1,17 @@
-"""The scheduling side of the chat engine: queues, admission, the row pool, retirement. No torch, no model.
+"""The scheduling side of the chat engine: queues, admission, KV-cache blocks, preemption, retirement. No torch.
 
-A request waits in arrival order (FIFO, so nobody starves) until enough rows are free for its `n` samples;
-its first sample's row then starts with the longest cached prefix of its prompt (prefix_index.py): a free row
-holding it is taken over as it is, else the engine copies the prefix in (`Admitted.copy_from`). Prompts
-prefill up to `prefill_chunk` tokens a step (several short ones together, a long one a chunk per step, so
-running streams keep flowing); every running sample decodes one token a step. Finished samples give their
-rows back, with the tokens those rows hold, for later prompts to reuse.
+A running sample holds a row (its slot for per-sequence state: sampling, penalties, grammar masks; `max_rows` of
+them bound the sequences in one step) and a block table: the KV-cache blocks holding its positions (block_pool.py).
+A request waits in arrival order (FIFO, so nobody starves) until rows for its `n` samples are free and the blocks
+its prompt needs are available; its first sample's table then starts with the cached blocks that hold the longest
+prefix of its prompt (shared, not copied), and the rest of the prompt is computed into new blocks. Prompts
+prefill up to `prefill_chunk` tokens a step (several short ones together, a long one a chunk per step, so running
+streams keep flowing); every running sample decodes one token a step, taking a new block when it fills one. When
+no block is left for that, the most recently admitted running request is preempted: its blocks go back (its full
+ones stay cached), it keeps its rows and everything it generated, and it waits at the head of the queue to have
+its keys computed again (most of them found in the cache) and go on, with no token lost or changed. A prompt's
+n samples share its full blocks; each gets its own copy of the partly filled last one. Finished samples give
+their blocks back, cached for later prompts to reuse while memory allows.
 
 `add` and `abort` may be called from another thread than the one that steps; everything else runs on the
 stepping thread.
@@ -20,8 +26,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from .outputs import SampleOutput
-from .prefix_index import BLOCK, RowPool
-from .protocol import EngineConfig, EngineFull, EngineError, SamplingError, SamplingParams
+from .block_pool import BlockPool
+from .protocol import EngineConfig, EngineError, EngineFull, EngineStats, SamplingError, SamplingParams
 
 
 DEFER_MIN = 64       # tokens a waiting prompt must share with one being prefilled to wait for it (admit)
@@ -81,12 +87,16 @@ def new_request(rid: str, prompt: list[int], params: SamplingParams, resume: lis
 
 @dataclass
 class Sample:
-    """One of a request's samples: its row and place in the KV cache, its random stream, its output state."""
+    """One of a request's samples: its row, its block table and place in the KV cache, its random stream, its
+    output state."""
 
     rng: random.Random
     output: SampleOutput
     row: int = -1
-    position: int = 0               # tokens of this row already in the cache
+    blocks: list[int] = field(default_factory=list)   # its block table: the blocks holding its positions, in order
+    committed: int = 0              # of those, the first blocks registered in the prefix cache
+    position: int = 0               # tokens of this sample already in the cache
+    target: int = 0                 # tokens it must have in the cache before it decodes (its prefill's end)
     pending: int | None = None      # last token, not yet fed to the model
     matcher: object | None = None   # structured output: the sample's grammar matcher (constrained.py)
 
@@ -103,10 +113,12 @@ class Request:
     max_new: int                    # tokens it may generate: max_tokens, cut to the context
     samples: list[Sample]
     resume: list[int] = field(default_factory=list)   # tokens already generated, continued from (n == 1)
-    prefilled: int = 0              # tokens of `feed` in the first sample's row
     cached_tokens: int = 0          # prompt tokens reused from the prefix cache, not computed
+    started: bool = False           # its prompt was prefilled and its samples drew their first tokens
+    preempted: bool = False         # waiting to have its samples' keys computed again (it keeps its rows)
     prompt_entries: list | None = None   # with prompt_logprobs: the prompt's entries so far (prompt_memo's form)
     scored: list | None = None      # the finished entries, until the first sample's first event carries them
+    reserved: list[int] = field(default_factory=list)   # blocks set aside for the other samples' last prompt block
 
     @property
     def prompt_tokens(self) -> int:
@@ -127,34 +139,35 @@ class Request:
             return -1
         return self.prompt[i] if i < len(self.prompt) else s.output.generated[i - len(self.prompt)]
 
-    def fed(self, s: Sample) -> list[int]:
-        """The tokens whose keys and values sample `s`'s row holds: what was fed into it (the last sampled token
-        never was). A sample whose prompt was still prefilling holds the prefilled part if it is the first."""
-        if s.position:
-            return (self.prompt + s.output.generated)[:s.position]
-        return self.feed[:self.prefilled] if s is self.samples[0] else []
+    def tokens(self, s: Sample) -> list[int]:
+        """Sample `s`'s sequence: its prompt's prefill feeds `feed`; later, the prompt and what it generated
+        (the resumed tokens are replayed into `generated` before the prefill, so the two agree)."""
+        return self.prompt + s.output.generated if s.output.generated else self.feed
 
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    """A request that got its rows this step; `copy_from` (row, tokens) when its first row needs a prefix copied
-    in from a row that keeps it."""
+    """A request that got its rows and blocks this step (or, preempted earlier, its blocks again)."""
 
     request: Request
-    copy_from: tuple[int, int] | None
 
 
 class Scheduler:
-    """`prompt_memo` keeps, per KV-cache row, the prompt logprobs computed when a request that asked for them
-    prefilled it: (how many alternatives, [(token, logprob, top) per position]). A later request that asks
-    for them may reuse that row's prefix only as far as the memo covers it, and then one position less, so the
-    logits that score its first new token are computed (they are not kept)."""
+    """`prompt_memo` keeps, per cached block (by its content id), the prompt logprobs computed when a request that
+    asked for them prefilled the prompt it ends: (how many alternatives, [(token, logprob, top) per position]),
+    covering at least that block. A later request that asks for them reuses a cached prefix only as far as a memo
+    covers it, less its last block, so the logits that score its first new token are computed (they are not
+    kept)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, n_blocks: int, block_size: int):
         self.max_rows, self.max_waiting = config.max_rows, config.max_waiting
         self.prefill_chunk = max(1, config.prefill_chunk)
         self.prefix_caching = config.prefix_caching
-        self.pool = RowPool(config.max_rows)
+        self.block_size = block_size
+        self.pool = BlockPool(n_blocks, block_size, on_evict=self._evicted)
+        # blocks kept free for running samples' next blocks when admitting (vLLM's watermark)
+        self.watermark = max(1, self.pool.usable // 100)
+        self.free_rows: set[int] = set(range(config.max_rows))
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
@@ -163,9 +176,16 @@ class Scheduler:
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
         self.prompt_memo: dict[int, tuple[int, list]] = {}
+        self.preemptions = 0
+        self._admitted = 0              # admission order, for choosing whom to preempt
+        self._order: dict[str, int] = {}
+
+    def _evicted(self, cid: int) -> None:
+        self.prompt_memo.pop(cid, None)
 
     # ---- from any thread
     def add(self, req: Request) -> None:
+        self.check_fits(req)
         with self._lock:
             if req.id in self.requests:
                 raise EngineError(f"request id {req.id!r} is already in use")
@@ -173,6 +193,18 @@ class Scheduler:
                 raise EngineFull(f"{self.max_waiting} requests are already waiting")
             self.requests[req.id] = req
             self._inbox.append(req)
+
+    def check_fits(self, req: Request) -> None:
+        """Refuse a request whose samples could not all reach their end in the whole KV cache at once (its full
+        prompt blocks shared): preemption could never let it finish."""
+        bs, pool = self.block_size, self.pool
+        longest = len(req.prompt) + req.max_new
+        shared = len(req.feed) // bs
+        need = shared + req.params.n * (pool.blocks_for(longest) - shared)
+        if need > pool.usable:
+            raise EngineError(f"the request needs up to {need * bs} positions of KV cache ({len(req.prompt)} prompt "
+                              f"tokens, max_tokens {req.max_new}, n={req.params.n}); the cache holds "
+                              f"{pool.usable * bs} (chat_kv_cache_memory): ask for fewer tokens or samples")
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -182,6 +214,14 @@ class Scheduler:
     def has_work(self) -> bool:
         with self._lock:
             return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        """The engine's EngineStats: rows, blocks, the prefix cache's lookups and hits, preemptions."""
+        running, waiting, positions = self.counts()
+        pool = self.pool
+        return EngineStats(running, waiting, self.max_rows - len(self.free_rows), self.max_rows, positions,
+                           pool.usable * pool.block_size, pool.query_tokens, pool.hit_tokens, pool.usable,
+                           pool.in_use, pool.cached_blocks, pool.block_size, self.preemptions, pool.evictions)
 
     def counts(self) -> tuple[int, int, int]:
         """(running, waiting, cache positions in use)."""
@@ -205,51 +245,98 @@ class Scheduler:
                 continue
             if req in self.waiting:
                 self.waiting.remove(req)
+                if req.preempted:               # it holds rows: retire gives them back
+                    self.running.append(req)
             out.append(req)
         return out
 
     def admit(self) -> list[Admitted]:
-        """Rows for waiting requests, in arrival order, while enough are free. At least the last prompt token is
-        always computed (its logits are sampled from), so a cached prefix covers at most all but one.
+        """Rows and blocks for waiting requests, in arrival order, while enough are free. At least the last prompt
+        token is always computed (its logits are sampled from), so cached blocks cover at most all but one.
 
         With prefix caching, a prompt that shares at least DEFER_MIN more tokens with a prompt being prefilled (or
         admitted in this call) than the cache holds waits, ahead of later arrivals, until that prompt is in its
-        row: then it copies the shared part instead of computing it again, and its decode reads those keys
-        together with the rows that hold the same copy (attention.py). A burst of requests with one system
+        blocks: then it shares them instead of computing them again, and its decode reads those keys together
+        with the other sequences that list the same blocks (attention.py). A burst of requests with one system
         prompt computes it once."""
         out: list[Admitted] = []
         deferred: list[Request] = []
-        while self.waiting and self.pool.n_free >= self.waiting[0].params.n:
-            req = self.waiting.popleft()
+        while self.waiting:
+            req = self.waiting[0]
+            if req.preempted:
+                if not self._readmit(req):
+                    break
+                self.waiting.popleft()
+                out.append(Admitted(req))
+                continue
+            if len(self.free_rows) < req.params.n:
+                break
             feed = req.feed
             if self.prefix_caching and req.params.prompt_logprobs is None:
                 pending = self._pending_overlap(feed, self.prefilling + [a.request for a in out])
-                if pending >= DEFER_MIN and pending >= self.pool.match(feed, len(feed) - 1, count=False).length \
-                        + DEFER_MIN:
-                    deferred.append(req)
+                if pending >= DEFER_MIN and pending >= self.block_size * len(
+                        self.pool.match(feed, len(feed) - 1, count=False)) + DEFER_MIN:
+                    deferred.append(self.waiting.popleft())
                     continue
-            m = self.pool.match(feed, limit=len(feed) - 1)
-            length = m.length
+            hits = self.pool.match(feed, len(feed) - 1, count=False) if self.prefix_caching else []
             if req.params.prompt_logprobs is not None:
-                length = self._scored_reuse(req, m.row, length)
-                self.pool.hit_tokens -= m.length - length
+                hits = self._scored_reuse(req, hits)
+            partial = len(feed) % self.block_size != 0
+            need = self.pool.blocks_for(len(feed)) - len(hits) + (req.params.n - 1) * partial
+            if not self._room(need, hits):
+                break
+            self.waiting.popleft()
+            if self.prefix_caching:
+                self.pool.query_tokens += len(feed)
+                self.pool.hit_tokens += len(hits) * self.block_size
             first = req.samples[0]
-            copy = None
-            if length and m.free:
-                self.pool.take(m.row)
-                first.row = m.row
-            else:
-                first.row = self.pool.allocate()
-                if length:
-                    copy = (m.row, length)
-            for s in req.samples[1:]:
-                s.row = self.pool.allocate()
-            for s in req.samples:                   # what these rows held is being overwritten
-                self.prompt_memo.pop(s.row, None)
-            req.prefilled, req.cached_tokens = length, min(length, len(req.prompt))
-            out.append(Admitted(req, copy))
+            self.pool.take(hits)
+            first.blocks = hits + self.pool.allocate(self.pool.blocks_for(len(feed)) - len(hits))
+            first.committed = len(hits)
+            first.position = len(hits) * self.block_size
+            first.target = len(feed)
+            req.reserved = self.pool.allocate((req.params.n - 1) * partial) or []
+            for s in req.samples:
+                s.row = self.free_rows.pop()
+            req.cached_tokens = min(first.position, len(req.prompt))
+            self._order[req.id] = self._admitted = self._admitted + 1
+            out.append(Admitted(req))
         self.waiting.extendleft(reversed(deferred))
         return out
+
+    def _room(self, need: int, hits: list[int]) -> bool:
+        """Whether `need` new blocks can be had beside the cached ones a hit takes out of the free queue, keeping
+        the watermark for the running samples (unless nothing runs: then everything is there to have)."""
+        idle = sum(1 for b in hits if self.pool.ref[b] == 0)
+        keep = self.watermark if self.running or self.prefilling else 0
+        return need + idle <= self.pool.available - keep
+
+    def _readmit(self, req: Request) -> bool:
+        """A preempted request's blocks again: each unfinished sample's table starts with the cached blocks of its
+        sequence (usually most of what it held) and gets new ones for the rest, to be prefilled up to where it
+        was. -> False, and nothing taken, while they are not all available."""
+        plans = []
+        need, idle = 0, 0
+        taken: set[int] = set()
+        for s in req.samples:
+            if s.finished:
+                continue
+            tokens = req.tokens(s)[:s.target]
+            hits = self.pool.match(tokens, s.target - 1, count=False) if self.prefix_caching else []
+            need += self.pool.blocks_for(s.target) - len(hits)
+            idle += sum(1 for b in hits if self.pool.ref[b] == 0 and b not in taken)
+            taken.update(hits)
+            plans.append((s, hits))
+        keep = self.watermark if self.running or self.prefilling else 0
+        if need + idle > self.pool.available - keep:
+            return False
+        for s, hits in plans:
+            self.pool.take(hits)
+            s.blocks = hits + self.pool.allocate(self.pool.blocks_for(s.target) - len(hits))
+            s.committed = len(hits)
+            s.position = len(hits) * self.block_size
+        req.preempted = False
+        return True
 
     @staticmethod
     def _pending_overlap(feed: list[int], pending: list[Request]) -> int:
@@ -258,7 +345,7 @@ class Scheduler:
         for other in pending:
             f = other.feed
             lo, hi = 0, min(len(f), len(feed) - 1)
-            if hi <= best or f[:BLOCK] != feed[:BLOCK]:
+            if hi <= best or f[:DEFER_MIN] != feed[:DEFER_MIN]:
                 continue
             while lo < hi:                       # the longest common prefix, by halving (slices compare in C)
                 mid = (lo + hi + 1) // 2
@@ -269,21 +356,24 @@ class Scheduler:
             best = max(best, lo)
         return best
 
-    def _scored_reuse(self, req: Request, row: int, length: int) -> int:
-        """How much of `row`'s matched prefix a request that asks for prompt logprobs may reuse (it takes the
-        memo's entries for those positions)."""
-        memo = self.prompt_memo.get(row) if length else None
-        if memo is None or memo[0] < req.params.prompt_logprobs or len(memo[1]) < length:
+    def _scored_reuse(self, req: Request, hits: list[int]) -> list[int]:
+        """The cached blocks a request that asks for prompt logprobs may share (it takes the memo's entries for
+        their positions): all but the last of those a memo covers."""
+        memo = self.prompt_memo.get(self.pool.cid_of[hits[-1]]) if hits else None
+        if memo is None or memo[0] < req.params.prompt_logprobs:
             req.prompt_entries = [(req.prompt[0], None, None)]
-            return 0
-        reuse = length - 1
-        req.prompt_entries = list(memo[1][:reuse + 1])
+            return []
+        reuse = hits[:-1]
+        req.prompt_entries = list(memo[1][:len(reuse) * self.block_size + 1])
         return reuse
 
     def scored(self, req: Request) -> list:
-        """`req`'s prompt logprobs are complete: -> them, and the first row remembers them for later prompts."""
+        """`req`'s prompt logprobs are complete: -> them, and the cached blocks of its prompt remember them for
+        later prompts."""
         entries, req.prompt_entries = req.prompt_entries, None
-        self.prompt_memo[req.samples[0].row] = (req.params.prompt_logprobs, entries)
+        first = req.samples[0]
+        for b in first.blocks[:min(first.committed, len(req.prompt) // self.block_size)]:
+            self.prompt_memo[self.pool.cid_of[b]] = (req.params.prompt_logprobs, entries)
         return entries
 
     def start_prefill(self, req: Request) -> None:
@@ -293,24 +383,46 @@ class Scheduler:
         """A request that goes straight to decoding (or that ended while admitted: retire frees its rows)."""
         self.running.append(req)
 
-    def prefill_batch(self) -> list[tuple[Request, int]]:
-        """(request, prompt tokens to feed it this step), within prefill_chunk tokens in all."""
+    def prefill_batch(self) -> list[tuple[Request, Sample, int]]:
+        """(request, sample, tokens to feed it this step), within prefill_chunk tokens in all: a new prompt's
+        first sample, or each sample of a preempted request, up to its target."""
         budget, batch = self.prefill_chunk, []
         for req in self.prefilling:
-            if budget <= 0:
-                break
-            take = min(budget, len(req.feed) - req.prefilled)
-            batch.append((req, take))
-            budget -= take
+            for s in req.samples:
+                if budget <= 0:
+                    return batch
+                if s.position < s.target and not s.finished:
+                    take = min(budget, s.target - s.position)
+                    batch.append((req, s, take))
+                    budget -= take
         return batch
 
-    def prefilled(self, req: Request) -> None:
-        """`req`'s prompt is in its rows: it decodes from now on, and (with prefix caching) other requests may
-        copy its prompt's keys."""
-        if self.prefix_caching:
-            self.pool.hold(req.samples[0].row, req.feed)
+    def filled(self, req: Request, s: Sample) -> None:
+        """`s` has written its positions up to s.position: register its newly full blocks in the prefix cache."""
+        if self.prefix_caching and s.position // self.block_size > s.committed:
+            s.committed = self.pool.commit(s.blocks, req.tokens(s)[:s.position], s.committed)
+
+    def prefilled(self, req: Request) -> list[tuple[int, int]]:
+        """`req`'s prefill is done: it decodes from now on. A new prompt's other samples share its first
+        sample's full blocks and take a reserved block for the partly filled last one; -> the (source,
+        destination) blocks to copy for them."""
         self.prefilling.remove(req)
         self.running.append(req)
+        copies = []
+        if not req.started:
+            req.started = True
+            first = req.samples[0]
+            full = first.position // self.block_size
+            for s in req.samples[1:]:
+                self.pool.take(first.blocks[:full])
+                s.blocks = first.blocks[:full]
+                if len(first.blocks) > full:
+                    block = req.reserved.pop()
+                    s.blocks = s.blocks + [block]
+                    copies.append((first.blocks[full], block))
+                s.committed = min(first.committed, full)
+                s.position = s.target = first.position
+        return copies
 
     def decoding(self) -> list[tuple[Request, Sample]]:
         """The samples that decode a token this step, in row order. A prompt that finishes prefilling this step
@@ -319,27 +431,70 @@ class Scheduler:
         out.sort(key=lambda rs: rs[1].row)
         return out
 
+    def grow(self, decoding: list[tuple[Request, Sample]]) -> list[tuple[Request, Sample]]:
+        """A block for each decoding sample whose next position starts one; where none is left, the most recently
+        admitted running request is preempted (`preempt`), until the rest have theirs. -> the samples that
+        decode this step (a preempted request's leave the list)."""
+        out = list(decoding)
+        i = 0
+        while i < len(out):
+            req, s = out[i]
+            if s.position < len(s.blocks) * self.block_size:
+                i += 1
+                continue
+            blocks = self.pool.allocate(1)
+            if blocks is not None:
+                s.blocks.append(blocks[0])
+                i += 1
+                continue
+            victim = max((r for r in self.running if not r.done), key=lambda r: self._order.get(r.id, 0))
+            self.preempt(victim)
+            out = [(r, x) for r, x in out if r is not victim]
+            i = 0
+        return out
+
+    def preempt(self, req: Request) -> None:
+        """Give back a running request's blocks (its full ones stay cached) and queue it first, to compute its
+        samples' keys again (readmit, prefill) and go on where it was; it keeps its rows and its outputs."""
+        for s in req.samples:
+            self.pool.release(s.blocks)
+            s.blocks, s.committed = [], 0
+            if not s.finished:
+                s.target = s.position
+                s.position = 0
+        self.running.remove(req)
+        req.preempted = True
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
     def unfinished(self) -> list[tuple[Request, Sample]]:
         """Every sample of every request not yet finished (to end them all after a fault); the waiting queue is
-        emptied."""
+        emptied (preempted requests move to running, so that retire gives their rows back)."""
         with self._lock:
             while self._inbox:
                 self.waiting.append(self._inbox.popleft())
             self._aborts.clear()
         out = [(r, s) for r in list(self.waiting) + self.prefilling + self.running for s in r.samples
                if not s.finished]
+        self.running += [r for r in self.waiting if r.preempted]
         self.waiting.clear()
         return out
 
     def retire(self) -> None:
-        """Free the rows of finished samples (keeping what they hold indexed) and forget finished requests."""
+        """Give back the rows and blocks of finished samples (full blocks stay cached) and forget finished
+        requests."""
         for req in list(self.prefilling) + list(self.running):
             for s in req.samples:
                 if s.finished and s.row >= 0:
-                    self.pool.release(s.row, req.fed(s) if self.prefix_caching else [])
+                    self.pool.release(s.blocks)
+                    s.blocks = []
+                    self.free_rows.add(s.row)
                     s.row = -1
             if req.done:
+                self.pool.release(req.reserved)
+                req.reserved = []
                 (self.prefilling if req in self.prefilling else self.running).remove(req)
+                self._order.pop(req.id, None)
         with self._lock:
             for rid in [rid for rid, r in self.requests.items() if r.done]:
                 del self.requests[rid]

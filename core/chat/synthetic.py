@@ -63,9 +63,12 @@ class SyntheticEngine:
         self.device = "synthetic"
         self.text = tokenizer.encode(TEXT)
         self.outputs = OutputProcessor(tokenizer, sequence_len)
-        # nothing is cached: prefix caching would only make admission search rows that hold nothing
+        # nothing is cached (prefix caching would only make admission search blocks that hold nothing), and the
+        # blocks (bookkeeping only: there is no cache) are enough for every row's whole context
+        per_row = -(-sequence_len // config.block_size)
         self.scheduler = Scheduler(EngineConfig(max_rows=config.max_rows, max_waiting=config.max_waiting,
-                                                prefix_caching=False))
+                                                prefix_caching=False), 2 + config.max_rows * per_row,
+                                   config.block_size)
         self._due = 0.0                                   # when the next step may run
 
     # ---- requests in and out (any thread)
@@ -86,9 +89,7 @@ class SyntheticEngine:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
-        running, waiting, positions = self.scheduler.counts()
-        return EngineStats(running, waiting, self.max_rows - self.scheduler.pool.n_free, self.max_rows, positions,
-                           self.max_rows * self.sequence_len)
+        return self.scheduler.stats()
 
     # ---- one step
     def step(self, emit=None) -> list[TokenEvent]:

@@ -4,9 +4,10 @@ and scattered over it (what they become once requests come and go).
     python -m bench.decode_attention [--shape 4x256] [--rows 32] [--positions 64 256 768 1536]
                                      [--dtypes float32 bfloat16] [--threads 1] [--json out.json]
 
-A random GPT-2 of `--shape` (the demo vocabulary, context 2048) and a cache of twice `--rows` rows; every row
-of the batch at the same position. Per position and dtype, alternating: the model's decode forward with the rows
-0..n-1 and with every other row of the cache, the attention path the engine takes on this machine (attention.py),
+A random GPT-2 of `--shape` (the demo vocabulary, context 2048) and a paged cache with room for every row's
+whole context; every row of the batch at the same position, its blocks of 16 positions one after another
+(contiguous) or interleaved with the other rows' (scattered). Per position and dtype, alternating: the model's
+decode forward and the attention path the engine takes on this machine (attention.py),
 and the bare attention of one layer (the CPU kernel where built, else SDPA over the gathered rows). GB/s: the keys
 and values the step must read (rows x layers x 2 x heads x head size x position x bytes) over the forward's time,
 and over the attention's alone. Prints a table; figures go in bench/README.md with date and machine.
@@ -51,7 +52,16 @@ def main() -> None:
     n_layer, n_embd = parse_shape(args.shape)
     base, _ = random_gpt2(n_layer, n_embd, sequence_len=2048)
     n = args.rows
-    layouts = {"contiguous": list(range(n)), "scattered": list(range(0, 2 * n, 2))}
+    bs = 16
+    per = 2048 // bs
+
+    def tables(layout):
+        """Each row's blocks one after another (contiguous) or the rows' blocks interleaved (scattered)."""
+        if layout == "contiguous":
+            return [list(range(1 + r * per, 1 + (r + 1) * per)) for r in range(n)]
+        return [list(range(1 + r, 1 + n * per, n)) for r in range(n)]
+
+    layouts = {name: tables(name) for name in ("contiguous", "scattered")}
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s); "
           f"{args.shape}, {n} rows; decode attention: {attention.path(torch.device('cpu'))}")
     print(f"{'dtype':>9}{'position':>9}{'layout':>11}{'step ms':>9}{'GB/s':>7}{'attn ms':>9}{'GB/s':>7}")
@@ -60,7 +70,7 @@ def main() -> None:
         dtype = getattr(torch, name)
         model = random_gpt2(n_layer, n_embd, sequence_len=2048)[0].to(dtype)
         cfg = model.config
-        cache = KVCache.for_model(cfg, 2 * n, dtype=dtype)
+        cache = KVCache.for_model(cfg, 1 + n * per, bs, dtype=dtype)
         cache.k.normal_()
         cache.v.normal_()
         ids = torch.randint(0, 200, (n, 1))

@@ -118,9 +118,9 @@ def bare_forward_ms(model, batch, position, repeats=50):
     from core.chat.kv_cache import KVCache
 
     device, dtype = model.get_device(), next(model.parameters()).dtype
-    cache = KVCache.for_model(model.config, batch, initial_len=position + 1, dtype=dtype, device=device)
+    cache = KVCache.for_model(model.config, 1 + batch * -(-(position + 1) // 16), 16, dtype=dtype, device=device)
     ids = torch.randint(0, 200, (batch, 1), device=device)
-    rows, start = list(range(batch)), [position] * batch
+    rows, start = cache.tables(batch, position + 1), [position] * batch
     last = torch.zeros(batch, dtype=torch.long, device=device)
     times = []
     for _ in range(repeats):

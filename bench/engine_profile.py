@@ -191,9 +191,9 @@ def compare_linear(n_layer: int, n_embd: int, rows_list: list[int], keys: int = 
     reps = max(3, int(200 / (n_layer * n_embd / 256)))
 
     def decode_ms(model, rows):
-        cache = KVCache.for_model(model.config, rows=rows, initial_len=256)
+        cache = KVCache.for_model(model.config, 1 + rows * 16, 16)
         ids, last = torch.randint(0, 1000, (rows, 1)), torch.zeros(rows, dtype=torch.long)
-        cb = CacheBatch.build(cache, list(range(rows)), [keys] * rows, 1)
+        cb = CacheBatch.build(cache, cache.tables(rows, 256), [keys] * rows, 1)
         with torch.no_grad():
             model(ids, cb, last=last)
             t0 = time.perf_counter()
@@ -202,11 +202,11 @@ def compare_linear(n_layer: int, n_embd: int, rows_list: list[int], keys: int = 
         return 1000 * (time.perf_counter() - t0) / reps
 
     def prefill_ms(model, rows):
-        cache = KVCache.for_model(model.config, rows=rows, initial_len=256)
+        cache = KVCache.for_model(model.config, 1 + rows * 16, 16)
         ids = torch.randint(0, 1000, (rows, 64))
         with torch.no_grad():
             t0 = time.perf_counter()
-            model(ids, CacheBatch.build(cache, list(range(rows)), [0] * rows, 64),
+            model(ids, CacheBatch.build(cache, cache.tables(rows, 256), [0] * rows, 64),
                   last=torch.zeros(rows, dtype=torch.long))
         return 1000 * (time.perf_counter() - t0)
 

@@ -1,6 +1,6 @@
 """A Ray Serve request router that sends the turns of a conversation to the chat replica that holds them.
 
-Each chat replica's engine keeps the keys and values of finished requests (core/chat/prefix_index.py), so the
+Each chat replica's engine keeps the keys and values of finished requests in cached blocks (core/chat/block_pool.py), so the
 next turn of a conversation, which resends the whole history, only computes what is new, if it lands on the
 same replica. Serve's default router picks the less loaded of two random replicas and so scatters a
 conversation over all of them.

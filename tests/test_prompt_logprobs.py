@@ -78,8 +78,8 @@ def test_max_tokens_zero_scores_the_prompt_only(nanochat_model, tokenizer):
 
 def test_the_choices_of_one_question_hit_the_prefix_cache_and_score_the_same(nanochat_model, tokenizer):
     """Four continuations of one 48-token context, one after another (as lm-eval sends them): from the second on,
-    the context comes from the cache (cached_tokens: its blocks but the last, whose final position's logits score
-    the first new token), and every entry equals the uncached forward's."""
+    the context comes from the cache (cached_tokens: all but its last position, whose logits score the first new
+    token: computed again in a copy of its block), and every entry equals the uncached forward's."""
     rng = random.Random(2)
     context = [rng.randrange(500) for _ in range(48)]
     engine = LLMEngine(nanochat_model, tokenizer, max_rows=2, block_size=8)
@@ -88,7 +88,7 @@ def test_the_choices_of_one_question_hit_the_prefix_cache_and_score_the_same(nan
         entries, events = scored(engine, [(f"c{i}", prompt, SamplingParams(max_tokens=1, temperature=0,
                                                                               prompt_logprobs=1))])[f"c{i}"]
         close(entries, reference(nanochat_model, prompt, 1))
-        assert events[0].cached_tokens == (0 if i == 0 else len(context) - 8)
+        assert events[0].cached_tokens == (0 if i == 0 else len(context) - 1)
     # a request that asks for more alternatives than the cache kept computes the context again
     prompt = context + [1, 2]
     entries, events = scored(engine, [("more", prompt, SamplingParams(max_tokens=1, prompt_logprobs=4))])["more"]

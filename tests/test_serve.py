@@ -435,14 +435,38 @@ def test_unsupported_parameters_are_refused_by_name(service, field, value):
 
 
 def test_multi_turn_chat_reuses_the_previous_turn(service):
-    first = chat(service, {"messages": user("the cat sat on a mat"), "max_tokens": 8, "temperature": 0}).json()
-    history = user("the cat sat on a mat") + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                                              {"role": "user", "content": "and the dog"}]
+    """The second turn finds the first turn's prompt cached, in whole blocks."""
+    block = httpx.get(f"{service}/debug/stats").json()["chat"]["kv_cache"]["block_size"]
+    said = "the cat sat on a mat by the door of the old house at the end of the long road"
+    first = chat(service, {"messages": user(said), "max_tokens": 8, "temperature": 0}).json()
+    history = user(said) + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                            {"role": "user", "content": "and the dog"}]
     second = chat(service, {"messages": history, "max_tokens": 8, "temperature": 0}).json()
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached >= first["usage"]["prompt_tokens"] and cached < second["usage"]["prompt_tokens"]
+    assert first["usage"]["prompt_tokens"] >= 2 * block
+    assert cached >= first["usage"]["prompt_tokens"] // block * block and cached < second["usage"]["prompt_tokens"]
     stats = httpx.get(f"{service}/debug/stats").json()["chat"]["prefix_cache"]
     assert stats["hit_tokens"] >= cached and stats["query_tokens"] >= stats["hit_tokens"]
+
+
+def test_interleaved_conversations_find_their_whole_history_cached(service):
+    """Twelve conversations with one system prompt (every prompt begins with the same template tokens), sent as
+    users send them: turn 1 of each, then turn 2 of each, then turn 3, more conversations than the engine has
+    rows. Every later turn finds at least its previous prompt in the cache, in whole blocks."""
+    block = httpx.get(f"{service}/debug/stats").json()["chat"]["kv_cache"]["block_size"]
+    system = {"role": "system", "content": "You are a terse assistant for a small shop that sells tea and cups."}
+    histories = [[system, {"role": "user", "content": f"customer {i} asks about green tea"}] for i in range(12)]
+    previous = [0] * len(histories)
+    for turn in range(3):
+        for i, h in enumerate(histories):
+            body = chat(service, {"messages": h, "max_tokens": 6, "temperature": 0}).json()
+            usage = body["usage"]
+            if turn:
+                cached = usage["prompt_tokens_details"]["cached_tokens"]
+                assert cached >= previous[i] // block * block, (turn, i, cached, previous[i], usage)
+            previous[i] = usage["prompt_tokens"]
+            h += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
+                  {"role": "user", "content": f"and cups, turn {turn}?"}]
 
 
 def affinity_app(base: Path) -> tuple[dict, dict]:
@@ -839,7 +863,8 @@ def test_responses_follow_openais_published_schema(service):
 def test_echo_with_logprobs_scores_the_prompt_as_an_uncached_forward(service):
     """/v1/completions with echo and logprobs (lm-eval's multiple-choice request, and max_tokens 0): the prompt's
     tokens as sent (not the <|bos|> put before them), their logprobs against one uncached forward of the model,
-    the first null; the second choice of a question reuses the context from the prefix cache."""
+    the first null; the second choice of a question reuses the context from the prefix cache (its whole blocks,
+    but the last position)."""
     model, tok, _ = load_chat_model(CHECKPOINTS["chat"], "cpu")
     context, choices = list(range(40, 90)), ([7, 8, 9], [10, 11])
     for i, cont in enumerate(choices):
@@ -858,7 +883,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_an_uncached_forward(service):
         assert len(lp["tokens"]) == len(ids) + (1 if i == 0 else 0)
         assert out["usage"]["completion_tokens"] == (1 if i == 0 else 0)
         if i:
-            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(context)
+            block = httpx.get(f"{service}/debug/stats").json()["chat"]["kv_cache"]["block_size"]
+            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == (1 + len(context)) // block * block - 1
 
 
 LM_EVAL_TASK = """task: startlux_pick

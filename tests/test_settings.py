@@ -11,7 +11,8 @@ import torch
 import yaml
 
 from core.chat.engine_process import build_engine
-from core.chat.protocol import EngineConfig
+from core.chat.kv_cache import KVCache
+from core.chat.protocol import KV_CPU_BYTES, EngineConfig
 from core.decision.config import DecisionConfig
 from deployments.settings import AppArgs, BatchSettings, IngressSettings
 
@@ -71,7 +72,11 @@ def test_chat_values_reach_the_engine(name):
     assert sched.prefill_chunk == expect(args, "chat_prefill_chunk", d.prefill_chunk)
     assert sched.max_waiting == expect(args, "chat_max_waiting", d.max_waiting)
     assert sched.prefix_caching == expect(args, "chat_prefix_caching", d.prefix_caching)
-    assert engine.prefix_ids == list(start.prefix_ids) and engine.cache.k.shape[1] == engine.max_rows + 1
+    assert engine.prefix_ids == list(start.prefix_ids)
+    assert engine.cache.block_size == expect(args, "chat_block_size", d.block_size)
+    memory = expect(args, "chat_kv_cache_memory", d.kv_cache_memory) or KV_CPU_BYTES
+    assert memory - engine.cache.nbytes() < KVCache.block_bytes(engine.model.config, engine.cache.block_size,
+                                                                 engine.cache.dtype) <= memory
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -182,6 +182,10 @@ class LLMEngine:
     def _admit(self, events: list[TokenEvent]) -> None:
         for adm in self.scheduler.admit():
             req = adm.request
+            if adm.copy is not None:
+                self.cache.touch(self.scheduler.pool.touched)
+                self.cache.copy_block(adm.copy[0], [adm.copy[1]])
+                self.scheduler.pool.release([adm.copy[0]])
             if req.started:                            # preempted earlier: its keys are computed again
                 self.scheduler.start_prefill(req)
                 continue

@@ -147,9 +147,12 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    """A request that got its rows and blocks this step (or, preempted earlier, its blocks again)."""
+    """A request that got its rows and blocks this step (or, preempted earlier, its blocks again); `copy`
+    (source, destination): a cached block to copy into the first sample's own block before its prefill, which
+    computes that block's last position again (release the source's hold after the copy)."""
 
     request: Request
+    copy: tuple[int, int] | None = None
 
 
 class Scheduler:
@@ -279,28 +282,32 @@ class Scheduler:
                     deferred.append(self.waiting.popleft())
                     continue
             hits = self.pool.match(feed, len(feed) - 1, count=False) if self.prefix_caching else []
-            if req.params.prompt_logprobs is not None:
-                hits = self._scored_reuse(req, hits)
+            # a request that asks for prompt logprobs computes the last cached position again (copy on write)
+            cow = req.params.prompt_logprobs is not None and self._scored_reuse(req, hits)
+            if req.params.prompt_logprobs is not None and not cow:
+                hits = []
             partial = len(feed) % self.block_size != 0
-            need = self.pool.blocks_for(len(feed)) - len(hits) + (req.params.n - 1) * partial
+            need = self.pool.blocks_for(len(feed)) - len(hits) + cow + (req.params.n - 1) * partial
             if not self._room(need, hits):
                 break
             self.waiting.popleft()
             if self.prefix_caching:
                 self.pool.query_tokens += len(feed)
-                self.pool.hit_tokens += len(hits) * self.block_size
+                self.pool.hit_tokens += len(hits) * self.block_size - cow
             first = req.samples[0]
             self.pool.take(hits)
-            first.blocks = hits + self.pool.allocate(self.pool.blocks_for(len(feed)) - len(hits))
-            first.committed = len(hits)
-            first.position = len(hits) * self.block_size
+            shared = hits[:-1] if cow else hits
+            own = self.pool.allocate(self.pool.blocks_for(len(feed)) - len(shared))
+            first.blocks = shared + own
+            first.committed = len(shared)
+            first.position = len(hits) * self.block_size - cow
             first.target = len(feed)
             req.reserved = self.pool.allocate((req.params.n - 1) * partial) or []
             for s in req.samples:
                 s.row = self.free_rows.pop()
             req.cached_tokens = min(first.position, len(req.prompt))
             self._order[req.id] = self._admitted = self._admitted + 1
-            out.append(Admitted(req))
+            out.append(Admitted(req, (hits[-1], own[0]) if cow else None))
         self.waiting.extendleft(reversed(deferred))
         return out
 
@@ -356,16 +363,16 @@ class Scheduler:
             best = max(best, lo)
         return best
 
-    def _scored_reuse(self, req: Request, hits: list[int]) -> list[int]:
-        """The cached blocks a request that asks for prompt logprobs may share (it takes the memo's entries for
-        their positions): all but the last of those a memo covers."""
+    def _scored_reuse(self, req: Request, hits: list[int]) -> bool:
+        """Whether a request that asks for prompt logprobs may reuse the cached blocks it hit: a memo must cover
+        them with as many alternatives; it then takes the memo's entries for their positions but the last, whose
+        logits score the first new token (req.prompt_entries). Otherwise its prompt is computed whole."""
         memo = self.prompt_memo.get(self.pool.cid_of[hits[-1]]) if hits else None
         if memo is None or memo[0] < req.params.prompt_logprobs:
             req.prompt_entries = [(req.prompt[0], None, None)]
-            return []
-        reuse = hits[:-1]
-        req.prompt_entries = list(memo[1][:len(reuse) * self.block_size + 1])
-        return reuse
+            return False
+        req.prompt_entries = list(memo[1][:len(hits) * self.block_size])
+        return True
 
     def scored(self, req: Request) -> list:
         """`req`'s prompt logprobs are complete: -> them, and the cached blocks of its prompt remember them for

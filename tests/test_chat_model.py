@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from core.chat.convert import hf_gpt2
-from core.chat.kv_cache import CacheBatch, KVCache
+from core.chat.kv_cache import CacheBatch, KVCache, LayerGroups
 from core.chat.packed import PackedLinear, pack_linears
 from tests.conftest import tiny_model
 
@@ -54,15 +54,17 @@ def test_logits_match_transformers(arch, packed, tokenizer):
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("arch", ["nanochat", "modern", "gpt2"])
 def test_cache_forward_matches_plain_forward_through_blocks(arch, block_size, tokenizer):
-    """Token-by-token decoding through a paged cache must equal one causal pass: the two sequences' blocks are
-    interleaved in the pool (neither one's keys lie in consecutive blocks), and the second table lists its
-    blocks in descending order."""
+    """Token-by-token decoding through a paged cache must equal one causal pass: each sequence's blocks, one
+    table per layer group (the current architecture's window layers in groups of their own), lie scattered over
+    the pool in no order."""
     model = tiny_model(arch, tokenizer, seed=4, std=0.1)
     ids = torch.randint(0, tokenizer.vocab_size, (2, 50), generator=torch.Generator().manual_seed(1))
-    cache = KVCache.for_model(model.config, n_blocks=1 + 2 * (-(-50 // block_size)), block_size=block_size)
     n = -(-50 // block_size)
-    tables = [list(range(1, 2 * n + 1, 2)), list(range(2 * n, 0, -2))]
-    cache.touch(2 * n + 1)
+    groups = len(LayerGroups.of(model.config.layer_windows))
+    cache = KVCache.for_model(model.config, n_blocks=1 + 2 * groups * n, block_size=block_size)
+    ids_in_pool = torch.randperm(2 * groups * n, generator=torch.Generator().manual_seed(2)).add(1).tolist()
+    tables = [[ids_in_pool[(e * groups + g) * n:(e * groups + g + 1) * n] for g in range(groups)] for e in range(2)]
+    cache.touch(1 + 2 * groups * n)
     with torch.no_grad():
         full = model(ids)
         prefix = 5
@@ -80,7 +82,7 @@ def test_rows_at_different_positions(tokenizer, any_nanochat):
     a, b = torch.randint(0, 500, (1, 12), generator=g), torch.randint(0, 500, (1, 30), generator=g)
     with torch.no_grad():
         ref_a, ref_b = model(a)[0, -1], model(b)[0, -1]
-        cache = KVCache.for_model(model.config, n_blocks=16, block_size=8)
+        cache = KVCache.for_model(model.config, n_blocks=64, block_size=8)
         ta, tb = cache.tables(2, 32)
         model(a[:, :-1], CacheBatch.build(cache, [ta], [0], 11))
         model(b[:, :-1], CacheBatch.build(cache, [tb], [0], 29))

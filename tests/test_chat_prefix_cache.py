@@ -5,31 +5,44 @@ import pytest
 import torch
 
 from core.chat import LLMEngine, SamplingParams
-from core.chat.kv_cache import KVCache
+from core.chat.kv_cache import KVCache, LayerGroups
 from core.chat.protocol import EngineError
-from core.chat.block_pool import SCRATCH, BlockPool
+from core.chat.block_pool import SCRATCH, BlockPool, chain
 from tests.test_chat_engine import collect
 
 
 # ---- the block pool, without a model
 
-def held(pool, tokens):
+def held(pool, tokens, group=0):
     """A sequence of `tokens` in fresh blocks, its full blocks registered; -> its table."""
     blocks = pool.allocate(pool.blocks_for(len(tokens)))
-    pool.commit(blocks, tokens, 0)
+    digests = chain(tokens, pool.block_size, [])
+    pool.commit(group, blocks, digests, 0, len(digests))
     return blocks
+
+
+def lookup(pool, tokens, limit=10**6, group=0):
+    """The cached blocks that hold the longest prefix of `tokens` (at most `limit` tokens), in whole blocks."""
+    out = []
+    for d in chain(tokens[:limit], pool.block_size, []):
+        b = pool.cached(group, d)
+        if b is None:
+            break
+        out.append(b)
+    return out
 
 
 def test_a_prefix_is_found_in_whole_blocks_and_shared_by_reference():
     pool = BlockPool(16, 4)
     a = list(range(100, 118))                         # 4 full blocks and 2 tokens
     table = held(pool, a)
-    assert len(table) == 5 and table[0] != SCRATCH
-    assert pool.match(a + [1, 2], limit=100) == table[:4]
-    assert pool.match(a[:9], limit=8) == table[:2]     # capped: whole blocks within the limit
-    assert pool.match(a[:6] + [0] * 10, limit=100) == table[:1]   # diverges in the second block
-    assert pool.match([7] + a[1:], limit=100) == []    # a key names its tokens from position 0
-    hit = pool.match(a, limit=17)
+    assert len(table) == 5 and SCRATCH not in table
+    assert lookup(pool, a + [1, 2]) == table[:4]
+    assert lookup(pool, a[:9], 8) == table[:2]        # capped: whole blocks within the limit
+    assert lookup(pool, a[:6] + [0] * 10) == table[:1]   # diverges in the second block
+    assert lookup(pool, [7] + a[1:]) == []             # a key names its tokens from position 0
+    assert lookup(pool, a, group=1) == []              # and its layer group
+    hit = lookup(pool, a, 17)
     pool.take(hit)
     assert all(pool.ref[b] == 2 for b in hit) and pool.ref[table[4]] == 1
     pool.release(table)
@@ -50,33 +63,33 @@ def test_fresh_blocks_first_then_uncached_then_least_recently_released():
     got = pool.allocate(2)
     assert set(got) == set(range(7, 9))                # never used before any queued block
     assert set(pool.allocate(2)) == set(scratch)       # then the blocks that cache nothing
-    assert pool.match(list(range(8)), 100) == old
+    assert lookup(pool, list(range(8))) == old
     took = pool.allocate(1)                            # then the least recently released: old's tail first
-    assert took == [old[1]] and pool.match(list(range(8)), 100) == old[:1]
-    assert pool.match(list(range(50, 58)), 100) == new and pool.evictions == 1
+    assert took == [old[1]] and lookup(pool, list(range(8))) == old[:1]
+    assert lookup(pool, list(range(50, 58))) == new and pool.evictions == 1
 
 
-def test_an_evicted_parent_leaves_its_children_unreachable():
-    """Keys chain content ids that are never reused: once a block is reused, a prompt that reaches its old
-    children through the new content cannot find them."""
+def test_a_blocks_key_depends_on_tokens_alone():
+    """A block stays findable after the block before it was reused (what a sliding window needs): its key is
+    the digest of every token up to its end, not the identity of the blocks before it."""
     pool = BlockPool(4, 4)
     a = held(pool, [1, 1, 1, 1, 2, 2, 2, 2])
     pool.release(a)
-    pool.take(a[1:])                                   # keep the child, let the parent go
+    pool.take(a[1:])                                   # keep the second block, let the first go
     pool.allocate(1)                                   # the last fresh block
-    reused = pool.allocate(1)
-    assert reused == a[:1]
-    pool.commit(reused, [1, 1, 1, 1], 0)               # the same tokens again, a new content id
-    assert pool.match([1, 1, 1, 1, 2, 2, 2, 2, 0], 100) == reused
+    assert pool.allocate(1) == a[:1]                   # the first block is reused: its key is gone
+    digests = chain([1, 1, 1, 1, 2, 2, 2, 2], 4, [])
+    assert pool.cached(0, digests[0]) is None and pool.cached(0, digests[1]) == a[1]
+    assert chain([1, 1, 1, 1, 3, 3, 3, 3], 4, [])[1] != digests[1]
 
 
 def test_a_block_with_the_content_of_a_cached_one_stays_private():
     pool = BlockPool(8, 4)
     a = held(pool, [5] * 8)
     b = pool.allocate(2)
-    assert pool.commit(b, [5] * 8, 0) == 0             # the first block's key is a's: b's stay unregistered
+    pool.commit(0, b, chain([5] * 8, 4, []), 0, 2)     # the same keys as a's: b's stay unregistered
     pool.release(b)
-    assert pool.cached_blocks == 0 and pool.match([5] * 9, 100) == a
+    assert pool.cached_blocks == 0 and lookup(pool, [5] * 9) == a
 
 
 def test_allocation_takes_nothing_when_too_few_are_left():
@@ -179,7 +192,7 @@ def test_a_hit_shares_the_blocks_and_reads_nothing_past_them(nanochat_model, tok
     spy = on.scheduler.prefilled
 
     def remember(req):
-        tables[req.id] = list(req.samples[0].blocks)
+        tables[req.id] = list(req.samples[0].tables[0])
         return spy(req)
 
     on.scheduler.prefilled = remember
@@ -203,10 +216,10 @@ def test_n_samples_share_their_prompts_blocks(nanochat_model, tokenizer):
     engine.step()
     engine.step()
     samples = engine.scheduler.running[0].samples
-    firsts = {tuple(s.blocks[:2]) for s in samples}
-    thirds = {s.blocks[2] for s in samples}
+    firsts = {tuple(s.tables[0][:2]) for s in samples}
+    thirds = {s.tables[0][2] for s in samples}
     assert len(firsts) == 1 and len(thirds) == 3
-    assert all(engine.scheduler.pool.ref[b] == 3 for b in samples[0].blocks[:2])
+    assert all(engine.scheduler.pool.ref[b] == 3 for b in samples[0].tables[0][:2])
 
 
 def test_memory_per_stored_token_is_the_floor(nanochat_model, tokenizer):
@@ -253,9 +266,12 @@ def test_interleaved_conversations_keep_their_history_cached(nanochat_model, tok
         prior = [len(h) - 8 for h in histories]
 
 
-def ample_and_tight(model, tokenizer, blocks: int, **kw):
-    """An engine with memory to spare and one whose KV cache has `blocks` blocks of 8."""
+def ample_and_tight(model, tokenizer, extra: int, **kw):
+    """An engine with memory to spare and one whose KV cache has blocks of 8 for one sequence of the whole
+    context in every layer group (the least it may have) and `extra` more."""
     per = KVCache.block_bytes(model.config, 8, torch.float32)
+    groups = len(LayerGroups.of(model.config.layer_windows))
+    blocks = 1 + groups * -(-model.config.sequence_len // 8) + extra
     return (LLMEngine(model, tokenizer, block_size=8, **kw),
             LLMEngine(model, tokenizer, block_size=8, kv_cache_memory=per * blocks, **kw))
 
@@ -268,7 +284,7 @@ def test_preemption_and_eviction_change_no_token(arch, tokenizer):
     from tests.conftest import tiny_model
 
     model = tiny_model(arch, tokenizer, seed=5, std=0.3)
-    ample, tight = ample_and_tight(model, tokenizer, 36, max_rows=8, prefill_chunk=48)
+    ample, tight = ample_and_tight(model, tokenizer, 3, max_rows=8, prefill_chunk=48)
     rng = random.Random(6)
     common = [rng.randrange(500) for _ in range(20)]
     reqs = []
@@ -288,7 +304,7 @@ def test_preemption_and_eviction_change_no_token(arch, tokenizer):
 
 
 def test_an_abort_while_preempted_gives_everything_back(nanochat_model, tokenizer):
-    _, tight = ample_and_tight(nanochat_model, tokenizer, 34, max_rows=6)
+    _, tight = ample_and_tight(nanochat_model, tokenizer, 1, max_rows=6)
     for i in range(6):
         tight.add_request(list(range(10 + i, 40 + i)), SamplingParams(max_tokens=80, ignore_eos=True), f"r{i}")
     while not tight.stats().preemptions:
@@ -307,13 +323,105 @@ def test_an_abort_while_preempted_gives_everything_back(nanochat_model, tokenize
 def test_a_request_that_can_never_fit_is_refused_naming_the_limit(nanochat_model, tokenizer):
     """A request whose samples could not reach their end in the whole cache at once is refused when it is added
     (preemption could never finish it); the engine goes on serving the others."""
-    _, tight = ample_and_tight(nanochat_model, tokenizer, 34, max_rows=4)
+    _, tight = ample_and_tight(nanochat_model, tokenizer, 1, max_rows=4)
     with pytest.raises(EngineError, match="chat_kv_cache_memory"):
         tight.add_request(list(range(50)), SamplingParams(max_tokens=200, n=4), "big")
     assert run(tight, [("ok", list(range(50)), SamplingParams(max_tokens=5, temperature=0.0))])["ok"]
     with pytest.raises(ValueError, match="chat_kv_cache_memory"):
         LLMEngine(nanochat_model, tokenizer, block_size=8,
                   kv_cache_memory=KVCache.block_bytes(nanochat_model.config, 8, torch.float32) * 10)
+
+
+def test_a_window_group_hit_needs_only_the_blocks_its_window_sees():
+    """Scheduler._hits on a full-context group and a window of 16 in blocks of 8: the full group needs every block
+    of the hit, the window group those from the window's start before the first computed position; a hole there
+    shortens the hit to where the window's blocks are whole again."""
+    from core.chat.protocol import EngineConfig
+    from core.chat.scheduler import Scheduler
+
+    sched = Scheduler(EngineConfig(), 64, 8, (None, 16))
+    tokens = list(range(100, 196))                        # 12 blocks
+    digests = chain(tokens, 8, [])
+    full = sched.pool.allocate(12)
+    sched.pool.commit(0, full, digests, 0, 12)
+    window = sched.pool.allocate(12)
+    sched.pool.commit(1, window, digests, 8, 12)          # the window group keeps only its last four blocks
+    h, tables = sched._hits(digests, len(tokens) - 1)
+    assert h == 11                                        # at most all but the last token: 11 whole blocks
+    assert tables[0] == full[:11]
+    assert tables[1] == [SCRATCH] * 8 + window[8:11]      # position 87 sees keys from 71: blocks 8-10
+    h, tables = sched._hits(digests + [b"x"], 10**6)
+    assert h == 12 and tables[1] == [SCRATCH] * 9 + window[9:12]
+    sched.pool._forget(window[10])                        # a hole in the window: no hit reaches past it ...
+    h, tables = sched._hits(digests, len(tokens) - 1)
+    assert h == 0                                         # ... and before block 8 the window group has nothing
+
+
+def plain_greedy(model, prompt, n):
+    """Greedy tokens from a full forward pass per token: no cache at all."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_window_groups_hold_only_their_window(modern_model, tokenizer):
+    """The current architecture (SSSL, window 16) in blocks of 8: while a sequence runs 150 positions, each window
+    group holds at most the 2 blocks its window spans and the one being filled, the full-context group every
+    block; the tokens are those of a plain forward pass per token."""
+    engine = LLMEngine(modern_model, tokenizer, max_rows=1, block_size=8, prefix_caching=False)
+    windows = engine.cache.groups.windows
+    assert None in windows and 16 in windows
+    prompt = list(range(60, 100))
+    engine.add_request(prompt, SamplingParams(max_tokens=110, temperature=0.0, ignore_eos=True), "long")
+    got, most = [], 0
+    while engine.has_work():
+        for ev in engine.step():
+            if ev.token is not None:
+                got.append(ev.token)
+        for req in engine.scheduler.running:
+            s = req.samples[0]
+            for w, table in zip(windows, s.tables):
+                held = sum(b != SCRATCH for b in table)
+                if w is None:
+                    assert held == len(table) == -(-s.position // 8) or held == len(table)
+                else:
+                    most = max(most, held)
+                    assert held <= 16 // 8 + 1 + (s.position % 8 == 0), (s.position, table)
+    assert most >= 2
+    assert got == plain_greedy(modern_model, prompt, 110)
+
+
+def test_a_window_hit_reads_nothing_the_window_has_left(modern_model, tokenizer):
+    """A second prompt that shares 96 of the first's tokens hits them; the window groups' blocks before its
+    window, poisoned with NaN, change nothing it computes (it equals the engine without a cache)."""
+    on = LLMEngine(modern_model, tokenizer, max_rows=1, block_size=8)
+    off = LLMEngine(modern_model, tokenizer, max_rows=1, block_size=8, prefix_caching=False)
+    rng = random.Random(8)
+    first = [rng.randrange(500) for _ in range(100)]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    run(on, [("a", first, params)])
+    second = first[:96] + [rng.randrange(500) for _ in range(6)]
+    digests = chain(second, 8, [])
+    pool, groups = on.scheduler.pool, on.cache.groups
+    poisoned = 0
+    for g, w in enumerate(groups.windows):
+        if w is None:
+            continue
+        for d in digests[:(96 - 1 - w) // 8]:            # blocks no query of the second prompt's window sees
+            b = pool.cached(g, d)
+            if b is not None:
+                on.cache.k[:, b] = float("nan")
+                on.cache.v[:, b] = float("nan")
+                poisoned += 1
+    assert poisoned > 0
+    events = []
+    on.add_request(second, params, "b")
+    while on.has_work():
+        events += on.step()
+    assert events[0].cached_tokens == 96
+    assert {"b": {0: [ev.token for ev in events if ev.token is not None]}} == run(off, [("b", second, params)])
 
 
 @pytest.mark.gpu

@@ -95,18 +95,19 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     """q (B, H, T, D), the pass's new k/v (B, Hkv, T, D) -> (B, H, T, D): the new keys and values written into
     the cache, then each query over its entry's keys up to its own position (from position - window on)."""
     mod = kernel() if q.device.type == "cpu" else None
-    keys, values = cache.cache.k[layer], cache.cache.v[layer]
+    g, keys, values = cache.cache.layer(layer)
     if mod is not None and k.dtype == keys.dtype:
-        mod.write_kv(keys, values, k.contiguous(), v.contiguous(), cache.slots)
+        mod.write_kv(keys, values, k.contiguous(), v.contiguous(), cache.slots[g])
     else:
         cache.write(layer, k, v)
     B, H, T, D = q.shape
     if T == 1 and mod is not None and q.dtype == keys.dtype:
-        leaders, shared = cache.shared if cache.shared is not None else (_NONE, _NONE)
+        shared = cache.shared[g] if cache.shared is not None else None
+        leaders, lengths = shared if shared is not None else (_NONE, _NONE)
         with threads(cache.threads):
-            out = mod.decode_attention(q.reshape(B, H, D).contiguous(), keys, values, cache.tables,
+            out = mod.decode_attention(q.reshape(B, H, D).contiguous(), keys, values, cache.tables[g],
                                        cache.positions[:, 0], -1 if window is None else window, D ** -0.5,
-                                       leaders, shared)
+                                       leaders, lengths)
         return out.view(B, H, 1, D)
     if mod is not None and T > 1 and window is None and cache.starts is not None and cache.lengths is not None:
         with threads(cache.threads):

@@ -25,8 +25,8 @@ class GraphCaptureError(RuntimeError):
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor      # (4, B) on the device: token ids, slots, positions, previous tokens
-    tables: torch.Tensor      # (B, blocks) on the device: each entry's block table, to the bucket's length
+    inputs: torch.Tensor      # (3 + groups, B) on the device: token ids, positions, previous tokens, then the slots
+    tables: torch.Tensor      # (groups, B, blocks) on the device: the entries' block tables, to the bucket's length
     out: torch.Tensor         # (B, vocab) logits
 
 
@@ -47,14 +47,17 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], _Graph] = {}
 
     def _forward(self, inputs: torch.Tensor, tables: torch.Tensor, B: int, L: int) -> torch.Tensor:
-        ids, slots, pos, previous = inputs[0].view(B, 1), inputs[1].view(B, 1), inputs[2].view(B, 1), inputs[3]
+        ids, pos, previous = inputs[0].view(B, 1), inputs[1].view(B, 1), inputs[2]
+        slots = [inputs[3 + g].view(B, 1) for g in range(tables.shape[0])]
         mask = (self.arange[:L][None, None, :] <= pos[:, :, None])[:, None]      # (B, 1, 1, L)
         # sliding-window masks are made from `pos` inside the pass, so the graph records them too
-        return self.model(ids, CacheBatch(self.cache, tables, slots, pos, mask, L, previous), last=self.zeros[:B])
+        return self.model(ids, CacheBatch(self.cache, list(tables), slots, pos, mask, L, previous),
+                          last=self.zeros[:B])
 
     def _record(self, B: int, L: int) -> _Graph:
-        inputs = torch.zeros(4, B, dtype=torch.long, device=self.device)   # warm-up and capture write to scratch
-        tables = torch.zeros(B, -(-L // self.cache.block_size), dtype=torch.long, device=self.device)
+        G = len(self.cache.groups)
+        inputs = torch.zeros(3 + G, B, dtype=torch.long, device=self.device)   # warm-up and capture: scratch
+        tables = torch.zeros(G, B, -(-L // self.cache.block_size), dtype=torch.long, device=self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -66,10 +69,11 @@ class DecodeGraphs:
             out = self._forward(inputs, tables, B, L)
         return _Graph(graph, inputs, tables, out)
 
-    def run(self, tokens: list[int], tables: list[list[int]], positions: list[int],
+    def run(self, tokens: list[int], tables: list[list[list[int]]], positions: list[int],
             previous: list[int] | None = None) -> torch.Tensor:
-        """Logits (n, vocab) of one decode pass; valid until the next call. tables: each entry's block table;
-        previous: each entry's token before its pending one (CacheBatch.previous), for a model that reads it."""
+        """Logits (n, vocab) of one decode pass; valid until the next call. tables: each entry's block tables, one
+        per layer group; previous: each entry's token before its pending one (CacheBatch.previous), for a model
+        that reads it."""
         n = len(tokens)
         key = (_ceil(self.batch_buckets, n), _ceil(self.len_buckets, max(positions) + 1))
         g = self.graphs.get(key)
@@ -78,11 +82,12 @@ class DecodeGraphs:
                 g = self.graphs[key] = self._record(*key)
             except Exception as e:
                 raise GraphCaptureError(f"recording the decode graph for {key} failed: {e!r}") from e
-        pad, bs, width = key[0] - n, self.cache.block_size, g.tables.shape[1]
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
-        g.inputs.copy_(torch.tensor([tokens + [0] * pad, slots + [0] * pad, positions + [0] * pad,
-                                     (previous or [-1] * n) + [-1] * pad]))
-        g.tables.copy_(torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables]
-                                    + [[0] * width] * pad))
+        pad, bs, width = key[0] - n, self.cache.block_size, g.tables.shape[2]
+        groups = range(g.tables.shape[0])
+        slots = [[ts[k][p // bs] * bs + p % bs for ts, p in zip(tables, positions)] + [0] * pad for k in groups]
+        g.inputs.copy_(torch.tensor([tokens + [0] * pad, positions + [0] * pad, (previous or [-1] * n) + [-1] * pad]
+                                    + slots))
+        g.tables.copy_(torch.tensor([[ts[k][:width] + [0] * (width - len(ts[k][:width])) for ts in tables]
+                                     + [[0] * width] * pad for k in groups]))
         g.graph.replay()
         return g.out[:n]

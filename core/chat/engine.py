@@ -31,7 +31,8 @@ import torch
 from .attention import path as attention_path
 from .constrained import TokenMasks
 from .cuda_graphs import DecodeGraphs, GraphCaptureError
-from .kv_cache import CacheBatch, KVCache
+from .block_pool import chain
+from .kv_cache import CacheBatch, KVCache, LayerGroups
 from .logits import LogitProcessor, LogprobResult, logprobs
 from .model import ChatNetwork
 from .outputs import OutputProcessor
@@ -86,7 +87,7 @@ class LLMEngine:
         self.dtype = str(dtype).removeprefix("torch.")
         n_blocks = cache_blocks(cfg, config, dtype, self.device)
         self.cache = KVCache.for_model(cfg, n_blocks, config.block_size, dtype=dtype, device=self.device)
-        self.scheduler = Scheduler(config, n_blocks, config.block_size)
+        self.scheduler = Scheduler(config, n_blocks, config.block_size, self.cache.groups.windows)
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.cache, max_batch=config.max_rows)
@@ -95,7 +96,7 @@ class LLMEngine:
         self.grammars = TokenMasks(tokenizer, cfg.vocab_size, self.outputs.stop_tokens, config.max_rows, self.device)
         self._observed: tuple[list[int], list[int]] = ([], [])   # (row, token) appended to processed rows
         self.prefix_ids: list[int] = []
-        self._prefix_blocks: list[int] = []
+        self._prefix_tables: list[list[int]] = []
         if prefix_ids:
             self.set_prefix(prefix_ids)
 
@@ -141,18 +142,23 @@ class LLMEngine:
     def set_prefix(self, prefix_ids: list[int]) -> None:
         """Compute `prefix_ids` once into blocks that the engine holds for good: prompts that start with them share
         their full blocks (the prefix cache's ordinary hit)."""
-        pool = self.scheduler.pool
-        pool.release(self._prefix_blocks)
-        blocks = pool.allocate(pool.blocks_for(len(prefix_ids)))
+        sched, pool = self.scheduler, self.scheduler.pool
+        for table in self._prefix_tables:
+            pool.release(table)
+        G, n = len(self.cache.groups), pool.blocks_for(len(prefix_ids))
+        blocks = pool.allocate(G * n)
         if blocks is None:
             raise ValueError(f"the few-shot prefix ({len(prefix_ids)} tokens) does not fit the KV cache")
+        tables = [blocks[g * n:(g + 1) * n] for g in range(G)]
         self.cache.touch(pool.touched)
         ids = torch.tensor([prefix_ids], device=self.device)
-        self.model(ids, CacheBatch.build(self.cache, [blocks], [0], len(prefix_ids)),
+        self.model(ids, CacheBatch.build(self.cache, [tables], [0], len(prefix_ids)),
                    last=torch.tensor([0], device=self.device))
         if self.config.prefix_caching:
-            pool.commit(blocks, list(prefix_ids), 0)
-        self.prefix_ids, self._prefix_blocks = list(prefix_ids), blocks
+            digests = chain(list(prefix_ids), pool.block_size, [])
+            for g, table in enumerate(tables):
+                pool.commit(g, table, digests, 0, len(digests))
+        self.prefix_ids, self._prefix_tables = list(prefix_ids), tables
 
     # ---- one round: schedule, run, outputs
     @torch.inference_mode()
@@ -182,10 +188,11 @@ class LLMEngine:
     def _admit(self, events: list[TokenEvent]) -> None:
         for adm in self.scheduler.admit():
             req = adm.request
-            if adm.copy is not None:
+            if adm.copy:
                 self.cache.touch(self.scheduler.pool.touched)
-                self.cache.copy_block(adm.copy[0], [adm.copy[1]])
-                self.scheduler.pool.release([adm.copy[0]])
+                for src, dst in adm.copy:
+                    self.cache.copy_block(src, [dst])
+                self.scheduler.pool.release([src for src, _ in adm.copy])
             if req.started:                            # preempted earlier: its keys are computed again
                 self.scheduler.start_prefill(req)
                 continue
@@ -231,7 +238,7 @@ class LLMEngine:
         start = [s.position for _, s, _ in batch]
         previous = ([t[p - 1] if p else -1 for t, p in zip(tokens, start)] if self.model.needs_previous else None)
         # right padding: a padded position is written to the scratch block and never read
-        cb = CacheBatch.build(self.cache, [s.blocks for _, s, _ in batch], start, T, previous,
+        cb = CacheBatch.build(self.cache, [s.tables for _, s, _ in batch], start, T, previous,
                               threads=self.attention_threads, lengths=[take for _, _, take in batch])
         last = torch.tensor([take - 1 for _, _, take in batch], device=self.device)
         if any(req.prompt_entries is not None for req, _, _ in batch):
@@ -295,7 +302,7 @@ class LLMEngine:
         req.prompt_entries += [(t, c, top) for t, c, top in zip(req.prompt[start + 1:start + 1 + n], chosen, tops)]
 
     def _decode(self, decoding: list[tuple[Request, Sample]], events: list[TokenEvent]) -> None:
-        tables, positions = [s.blocks for _, s in decoding], [s.position for _, s in decoding]
+        tables, positions = [s.tables for _, s in decoding], [s.position for _, s in decoding]
         previous = [req.token_at(s, s.position - 1) for req, s in decoding] if self.model.needs_previous else None
         logits = None
         if self.graphs is not None:
@@ -309,10 +316,10 @@ class LLMEngine:
             cb = CacheBatch.build(self.cache, tables, positions, 1, previous, self.shared_prefixes,
                                   self.attention_threads)
             logits = self.model(ids, cb, last=torch.zeros(len(decoding), dtype=torch.long, device=self.device))
-        bs = self.cache.block_size
+        bs, windowed = self.cache.block_size, self.scheduler.windowed
         for req, s in decoding:
             s.position += 1
-            if s.position % bs == 0:
+            if windowed or s.position % bs == 0:
                 self.scheduler.filled(req, s)
         self._sample_and_accept(logits, decoding, events)
 
@@ -381,6 +388,7 @@ def cache_blocks(model_config, config: EngineConfig, dtype: torch.dtype, device:
     CUDA device after the weights, KV_CPU_BYTES on a CPU) over one block's bytes; at least enough for one
     sequence of the model's whole context, or a ValueError says what to raise."""
     per_block = KVCache.block_bytes(model_config, config.block_size, dtype)
+    groups = len(LayerGroups.of(model_config.layer_windows))
     memory = config.kv_cache_memory
     if memory is None:
         if device.type == "cuda":
@@ -389,7 +397,7 @@ def cache_blocks(model_config, config: EngineConfig, dtype: torch.dtype, device:
         else:
             memory = KV_CPU_BYTES
     n_blocks = memory // per_block
-    need = 1 + -(-model_config.sequence_len // config.block_size)
+    need = 1 + groups * -(-model_config.sequence_len // config.block_size)
     if n_blocks < need:
         raise ValueError(f"chat_kv_cache_memory of {memory} bytes holds {n_blocks} blocks of {per_block} bytes; one "
                          f"sequence of the model's {model_config.sequence_len} positions needs {need} "

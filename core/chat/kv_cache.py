@@ -1,10 +1,13 @@
 """The KV cache as a pool of fixed-size blocks, and where one forward pass reads and writes in it.
 
-Layout per layer: (blocks, kv_heads, block_size, head_dim). A sequence's positions live in the blocks its block
-table lists, in order: position p at block table[p // block_size], offset p % block_size. Sequences that share a
-prefix list the same blocks (block_pool.py decides which ids a sequence gets, and which it shares); nothing is
-copied for a prefix-cache hit, and memory per stored token is the floor: 2 x layers x kv_heads x head_dim x
-bytes per element, plus the unfilled end of each sequence's last block.
+The model's layers fall in groups of equal size, one attention kind each (LayerGroups: one group for a model
+without sliding windows; nanochat's SSSL pattern gives full-context groups and window groups). A block holds one
+group's layers: per place in a group, (blocks, kv_heads, block_size, head_dim). A sequence has a block table per
+group: position p lies at block table[p // block_size], offset p % block_size. Sequences that share a prefix list
+the same blocks (block_pool.py decides which ids a sequence gets, and which it shares); nothing is copied for a
+prefix-cache hit. A window group gives back the blocks its window has left (the scheduler), so a sequence holds
+at most its window there; memory per stored token is the floor: 2 x layers x kv_heads x head_dim x bytes per
+element, plus the unfilled end of each sequence's last blocks.
 
 The pool is allocated once at its full size (`chat_kv_cache_memory`) but touched lazily: a block's memory is
 zeroed the first time it is handed out, so on a CPU the resident memory is what has been used (a torch.empty
@@ -13,6 +16,7 @@ Block 0 is scratch: padded positions are written there and block tables are padd
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,17 +24,56 @@ import torch
 from .block_pool import SCRATCH
 
 
+@dataclass(frozen=True)
+class LayerGroups:
+    """The model's layers in groups of equal size, each group of one attention kind (full context, or one sliding
+    window): a block holds one group's layers, and a sequence has a block table per group, so a sliding-window
+    group can give back the blocks its window has left while a full group keeps every position (vLLM's hybrid
+    KV cache manager). A model without windows has one group of every layer."""
+
+    windows: tuple[int | None, ...]               # per group: the window of its layers (None: full context)
+    layers: tuple[tuple[int, ...], ...]           # per group: its layers, in order
+    slot: tuple[tuple[int, int], ...]             # per layer: (its group, its place in the group)
+
+    @classmethod
+    def of(cls, layer_windows: list[int | None]) -> "LayerGroups":
+        kinds: dict[int | None, list[int]] = {}
+        for i, w in enumerate(layer_windows):
+            kinds.setdefault(w, []).append(i)
+        size = math.gcd(*(len(v) for v in kinds.values()))
+        windows, layers = [], []
+        for w in sorted(kinds, key=lambda w: (w is not None, w or 0)):       # full-context groups first
+            for k in range(0, len(kinds[w]), size):
+                windows.append(w)
+                layers.append(tuple(kinds[w][k:k + size]))
+        slot = [None] * len(layer_windows)
+        for g, ls in enumerate(layers):
+            for j, i in enumerate(ls):
+                slot[i] = (g, j)
+        return cls(tuple(windows), tuple(layers), tuple(slot))
+
+    @property
+    def size(self) -> int:
+        return len(self.layers[0])
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
 class KVCache:
-    def __init__(self, n_layer: int, n_blocks: int, n_kv_head: int, head_dim: int, block_size: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(self, groups: LayerGroups, n_blocks: int, n_kv_head: int, head_dim: int, block_size: int,
+                 max_len: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         if block_size % 4:
             raise ValueError(f"the KV cache's block size must be a multiple of 4 (the decode kernel reads keys in "
                              f"fours), got {block_size}")
-        self.n_layer, self.n_blocks, self.n_kv_head, self.head_dim = n_layer, n_blocks, n_kv_head, head_dim
+        self.groups = groups
+        self.n_layer = sum(len(ls) for ls in groups.layers)
+        self.n_blocks, self.n_kv_head, self.head_dim = n_blocks, n_kv_head, head_dim
         self.block_size, self.max_len = block_size, max_len
         self.max_blocks = -(-max_len // block_size)      # a table's longest length
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (n_layer, n_blocks, n_kv_head, block_size, head_dim)
+        # a block holds one group's layers: place j of every group shares one tensor
+        shape = (groups.size, n_blocks, n_kv_head, block_size, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=self.device)
         self.v = torch.empty(shape, dtype=dtype, device=self.device)
         self._zeroed = 0                                  # blocks below this hold finite values
@@ -38,14 +81,20 @@ class KVCache:
 
     @staticmethod
     def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes over all layers, keys and values."""
-        return 2 * config.n_layer * config.n_kv_head * config.head_dim * block_size * dtype.itemsize
+        """Bytes one block takes: one group's layers, keys and values."""
+        size = LayerGroups.of(config.layer_windows).size
+        return 2 * size * config.n_kv_head * config.head_dim * block_size * dtype.itemsize
 
     @classmethod
     def for_model(cls, config, n_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
                   device="cpu") -> "KVCache":
-        return cls(config.n_layer, n_blocks, config.n_kv_head, config.head_dim, block_size, config.sequence_len,
-                   dtype, device)
+        return cls(LayerGroups.of(config.layer_windows), n_blocks, config.n_kv_head, config.head_dim, block_size,
+                   config.sequence_len, dtype, device)
+
+    def layer(self, layer: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """A layer's group and its keys and values: (group, K, V), K and V (blocks, kv_heads, block_size, D)."""
+        g, j = self.groups.slot[layer]
+        return g, self.k[j], self.v[j]
 
     def touch(self, upto: int) -> None:
         """Blocks below `upto` are about to be used: zero those never zeroed (once each)."""
@@ -55,25 +104,26 @@ class KVCache:
             self._zeroed = upto
 
     def copy_block(self, src: int, dsts: list[int]) -> None:
-        """Block `src`'s keys and values, every layer, into each of `dsts` (a partly filled last block that
-        another sequence will write on: copy on write)."""
+        """Block `src`'s keys and values, every layer of its group, into each of `dsts` (a partly filled last
+        block that another sequence will write on: copy on write)."""
         if dsts:
             idx = torch.tensor(dsts, device=self.device)
-            self.k[:, idx] = self.k[:, src:src + 1]
-            self.v[:, idx] = self.v[:, src:src + 1]
+            self.k[:, idx] = self.k[:, src:src + 1].clone()
+            self.v[:, idx] = self.v[:, src:src + 1].clone()
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def tables(self, n: int, length: int) -> list[list[int]]:
-        """Block tables for `n` sequences of up to `length` positions in disjoint blocks 1, 2, ... (tests and
-        benchmarks that address the cache without a pool)."""
-        per = -(-length // self.block_size)
-        if 1 + n * per > self.n_blocks:
-            raise ValueError(f"{n} sequences of {length} positions need {1 + n * per} blocks; the cache has "
+    def tables(self, n: int, length: int) -> list[list[list[int]]]:
+        """Block tables (per group) for `n` sequences of up to `length` positions in disjoint blocks 1, 2, ...
+        (tests and benchmarks that address the cache without a pool)."""
+        per, G = -(-length // self.block_size), len(self.groups)
+        if 1 + G * n * per > self.n_blocks:
+            raise ValueError(f"{n} sequences of {length} positions need {1 + G * n * per} blocks; the cache has "
                              f"{self.n_blocks}")
-        self.touch(1 + n * per)
-        return [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(n)]
+        self.touch(1 + G * n * per)
+        return [[list(range(1 + (i * G + g) * per, 1 + (i * G + g + 1) * per)) for g in range(G)]
+                for i in range(n)]
 
 
 def find_shared_prefixes(tables: list[list[int]], positions: list[int], block_size: int,
@@ -109,11 +159,12 @@ def find_shared_prefixes(tables: list[list[int]], positions: list[int], block_si
 
 @dataclass
 class CacheBatch:
-    """Where one forward pass reads and writes in the cache: computed once per pass, shared by every layer."""
+    """Where one forward pass reads and writes in the cache: computed once per pass, shared by every layer. Per
+    layer group (LayerGroups): the entries' block tables and the slots of their new tokens."""
 
     cache: KVCache
-    tables: torch.Tensor          # (B, blocks) each entry's block table, padded with the scratch block
-    slots: torch.Tensor           # (B, T) where each input token's key goes: block * block_size + offset
+    tables: list[torch.Tensor]    # per group: (B, blocks) each entry's block table, padded with the scratch block
+    slots: list[torch.Tensor]     # per group: (B, T) where each input token's key goes: block * block_size + offset
     positions: torch.Tensor       # (B, T) absolute position of each input token
     mask: torch.Tensor | None     # (B, 1, T, L) True where a query may attend; None: made when a path needs it
     length: int                   # L: keys read per entry (the longest entry's end)
@@ -123,44 +174,51 @@ class CacheBatch:
     previous: torch.Tensor | None = None
     starts: list[int] | None = None       # each entry's first position (build's `start`); None: not known here
     lengths: list[int] | None = None      # each entry's real input tokens (the rest of T is right padding)
-    table_list: list[list[int]] | None = None   # the tables, as given
-    # decode: (leaders, shared) tensors, (B,) each; None: no two entries share a prefix, or the
+    table_lists: list[list[list[int]]] | None = None   # per group, the tables as given
+    # decode, per group: (leaders, shared) tensors, (B,) each; None: no two entries share a prefix there, or the
     # pass does not read them so (find_shared_prefixes)
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None
+    shared: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
     threads: int = 0                      # torch threads for the pass's attention on a CPU (0: as they are)
     _windowed: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, cache: KVCache, tables: list[list[int]], start: list[int], T: int,
+    def build(cls, cache: KVCache, tables: list[list[list[int]]], start: list[int], T: int,
               previous: list[int] | None = None, shared_prefixes: bool = False, threads: int = 0,
               lengths: list[int] | None = None) -> "CacheBatch":
-        """tables: each entry's block table, covering its positions start .. start + its length - 1. previous: the
-        token before each entry's `start` (-1 where start is 0); needed when an entry starts later and the model
-        reads it (ChatNetwork.needs_previous). shared_prefixes: look up the prefixes the entries share (for decode
-        attention that reads them once). lengths: the real tokens of each entry (default T); the padding after
-        them is written to the scratch block and never read."""
+        """tables: each entry's block tables, one per layer group, covering its positions start .. start + its
+        length - 1 (a sliding-window group's may hold the scratch block where its window has passed). previous:
+        the token before each entry's `start` (-1 where start is 0); needed when an entry starts later and the
+        model reads it (ChatNetwork.needs_previous). shared_prefixes: look up the prefixes the entries share in
+        each full-context group (for decode attention that reads them once). lengths: the real tokens of each
+        entry (default T); the padding after them is written to the scratch block and never read."""
         device, bs = cache.device, cache.block_size
         lengths = list(lengths) if lengths is not None else [T] * len(tables)
         end = max(s0 + n for s0, n in zip(start, lengths))
         if end > cache.max_len:
             raise ValueError(f"a pass reaches position {end - 1}; the model's sequence length is {cache.max_len}")
         width = max(1, -(-end // bs))
-        padded = [t[:width] + [SCRATCH] * (width - len(t[:width])) for t in tables]
-        slots = []
-        for t, s0, n in zip(tables, start, lengths):
-            if len(t) * bs < s0 + n:
-                raise ValueError(f"a block table of {len(t)} blocks cannot hold positions up to {s0 + n - 1}")
-            slots.append([t[p // bs] * bs + p % bs for p in range(s0, s0 + n)] + [SCRATCH * bs] * (T - n))
+        per_group = [[t[g] for t in tables] for g in range(len(cache.groups))]
+        padded, slots = [], []
+        for group in per_group:
+            padded.append(torch.tensor([t[:width] + [SCRATCH] * (width - len(t[:width])) for t in group],
+                                       device=device))
+            rows = []
+            for t, s0, n in zip(group, start, lengths):
+                if len(t) * bs < s0 + n:
+                    raise ValueError(f"a block table of {len(t)} blocks cannot hold positions up to {s0 + n - 1}")
+                rows.append([t[p // bs] * bs + p % bs for p in range(s0, s0 + n)] + [SCRATCH * bs] * (T - n))
+            slots.append(torch.tensor(rows, device=device))
         positions = torch.tensor(start, device=device)[:, None] + torch.arange(T, device=device)[None, :]
         positions = positions.clamp_(max=cache.max_len - 1)
         prev = torch.tensor(previous, device=device) if previous is not None else None
         shared = None
         if shared_prefixes and T == 1 and len(tables) > 1:
-            found = find_shared_prefixes(tables, start, bs)
-            if found is not None:
-                shared = (torch.tensor(found[0]), torch.tensor(found[1]))
-        return cls(cache, torch.tensor(padded, device=device), torch.tensor(slots, device=device), positions, None,
-                   end, prev, list(start), lengths, tables, shared, threads)
+            shared = []
+            for g, group in enumerate(per_group):
+                found = find_shared_prefixes(group, start, bs) if cache.groups.windows[g] is None else None
+                shared.append(None if found is None else (torch.tensor(found[0]), torch.tensor(found[1])))
+        return cls(cache, padded, slots, positions, None, end, prev, list(start), lengths, per_group, shared,
+                   threads)
 
     @property
     def starts_at_zero(self) -> bool:
@@ -194,29 +252,29 @@ class CacheBatch:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: (B, Hkv, T, D) for the new tokens, written at each entry's slots (where the CPU kernel's
         write_kv is not used: attention.py)."""
+        g, K, V = self.cache.layer(layer)
         bs = self.cache.block_size
-        blocks, offsets = self.slots // bs, self.slots % bs
-        K, V = self.cache.k[layer], self.cache.v[layer]
+        blocks, offsets = self.slots[g] // bs, self.slots[g] % bs
         K[blocks, :, offsets] = k.transpose(1, 2).to(K.dtype)
         V[blocks, :, offsets] = v.transpose(1, 2).to(V.dtype)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pass's entries' keys and values of a layer, gathered from their blocks: (B, Hkv, L, D) each."""
-        K, V = self.cache.k[layer], self.cache.v[layer]
-        B, n = self.tables.shape
+        g, K, V = self.cache.layer(layer)
+        B, n = self.tables[g].shape
         Hkv, bs, D = K.shape[1], K.shape[2], K.shape[3]
 
         def gather(X: torch.Tensor) -> torch.Tensor:
-            return X[self.tables].transpose(1, 2).reshape(B, Hkv, n * bs, D)[:, :, :self.length]
+            return X[self.tables[g]].transpose(1, 2).reshape(B, Hkv, n * bs, D)[:, :, :self.length]
 
         return gather(K), gather(V)
 
     def entry(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entry b's first `length` keys and values of a layer, (1, Hkv, length, D) each: a view of its block
-        when they lie in one, else gathered."""
-        K, V = self.cache.k[layer], self.cache.v[layer]
+        """Entry b's first `length` keys and values of a full-context layer, (1, Hkv, length, D) each: a view of
+        its block when they lie in one, else gathered."""
+        g, K, V = self.cache.layer(layer)
         bs = self.cache.block_size
-        blocks = self.table_list[b][:-(-length // bs)]
+        blocks = self.table_lists[g][b][:-(-length // bs)]
         if len(blocks) == 1:
             return K[blocks[0], :, :length].unsqueeze(0), V[blocks[0], :, :length].unsqueeze(0)
         idx = torch.tensor(blocks, device=K.device)

@@ -1,7 +1,8 @@
 """The scheduling side of the chat engine: queues, admission, KV-cache blocks, preemption, retirement. No torch.
 
 A running sample holds a row (its slot for per-sequence state: sampling, penalties, grammar masks; `max_rows` of
-them bound the sequences in one step) and a block table: the KV-cache blocks holding its positions (block_pool.py).
+them bound the sequences in one step) and a block table per layer group: the KV-cache blocks holding its
+positions (block_pool.py; a sliding-window group gives back the blocks its window has left, kv_cache.LayerGroups).
 A request waits in arrival order (FIFO, so nobody starves) until rows for its `n` samples are free and the blocks
 its prompt needs are available; its first sample's table then starts with the cached blocks that hold the longest
 prefix of its prompt (shared, not copied), and the rest of the prompt is computed into new blocks. Prompts
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from .outputs import SampleOutput
-from .block_pool import BlockPool
+from .block_pool import SCRATCH, BlockPool, chain
 from .protocol import EngineConfig, EngineError, EngineFull, EngineStats, SamplingError, SamplingParams
 
 
@@ -93,8 +94,10 @@ class Sample:
     rng: random.Random
     output: SampleOutput
     row: int = -1
-    blocks: list[int] = field(default_factory=list)   # its block table: the blocks holding its positions, in order
-    committed: int = 0              # of those, the first blocks registered in the prefix cache
+    tables: list[list[int]] = field(default_factory=list)   # per layer group: the blocks holding its positions
+    digests: list[bytes] = field(default_factory=list)      # its full blocks' digests (block_pool.chain)
+    committed: int = 0              # its first blocks registered in the prefix cache (every group)
+    behind: list[int] = field(default_factory=list)  # per group: blocks before this one given back (windows)
     position: int = 0               # tokens of this sample already in the cache
     target: int = 0                 # tokens it must have in the cache before it decodes (its prefill's end)
     pending: int | None = None      # last token, not yet fed to the model
@@ -119,6 +122,7 @@ class Request:
     prompt_entries: list | None = None   # with prompt_logprobs: the prompt's entries so far (prompt_memo's form)
     scored: list | None = None      # the finished entries, until the first sample's first event carries them
     reserved: list[int] = field(default_factory=list)   # blocks set aside for the other samples' last prompt block
+    digests: list[bytes] | None = None   # its feed's full blocks' digests (computed once, when first looked up)
 
     @property
     def prompt_tokens(self) -> int:
@@ -149,10 +153,10 @@ class Request:
 class Admitted:
     """A request that got its rows and blocks this step (or, preempted earlier, its blocks again); `copy`
     (source, destination): a cached block to copy into the first sample's own block before its prefill, which
-    computes that block's last position again (release the source's hold after the copy)."""
+    computes that block's last position again (release the sources' hold after the copy), one per layer group."""
 
     request: Request
-    copy: tuple[int, int] | None = None
+    copy: list[tuple[int, int]] | None = None
 
 
 class Scheduler:
@@ -162,11 +166,17 @@ class Scheduler:
     covers it, less its last block, so the logits that score its first new token are computed (they are not
     kept)."""
 
-    def __init__(self, config: EngineConfig, n_blocks: int, block_size: int):
+    def __init__(self, config: EngineConfig, n_blocks: int, block_size: int,
+                 windows: tuple[int | None, ...] = (None,)):
+        """windows: per layer group (kv_cache.LayerGroups), the sliding window of its layers (None: full
+        context)."""
         self.max_rows, self.max_waiting = config.max_rows, config.max_waiting
         self.prefill_chunk = max(1, config.prefill_chunk)
         self.prefix_caching = config.prefix_caching
         self.block_size = block_size
+        self.windows = tuple(windows)
+        self.groups = len(self.windows)
+        self.windowed = any(w is not None for w in self.windows)
         self.pool = BlockPool(n_blocks, block_size, on_evict=self._evicted)
         # blocks kept free for running samples' next blocks when admitting (vLLM's watermark)
         self.watermark = max(1, self.pool.usable // 100)
@@ -178,13 +188,13 @@ class Scheduler:
         self._inbox: deque[Request] = deque()
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
-        self.prompt_memo: dict[int, tuple[int, list]] = {}
+        self.prompt_memo: dict[bytes, tuple[int, list]] = {}
         self.preemptions = 0
         self._admitted = 0              # admission order, for choosing whom to preempt
         self._order: dict[str, int] = {}
 
-    def _evicted(self, cid: int) -> None:
-        self.prompt_memo.pop(cid, None)
+    def _evicted(self, key: tuple) -> None:
+        self.prompt_memo.pop(key[1], None)
 
     # ---- from any thread
     def add(self, req: Request) -> None:
@@ -200,10 +210,11 @@ class Scheduler:
     def check_fits(self, req: Request) -> None:
         """Refuse a request whose samples could not all reach their end in the whole KV cache at once (its full
         prompt blocks shared): preemption could never let it finish."""
-        bs, pool = self.block_size, self.pool
-        longest = len(req.prompt) + req.max_new
-        shared = len(req.feed) // bs
-        need = shared + req.params.n * (pool.blocks_for(longest) - shared)
+        bs, pool, n = self.block_size, self.pool, req.params.n
+        longest = pool.blocks_for(len(req.prompt) + req.max_new)
+        shared, prompt = len(req.feed) // bs, pool.blocks_for(len(req.feed))
+        need = sum(shared + n * (longest - shared) if w is None else prompt + n * min(longest, w // bs + 2)
+                   for w in self.windows)
         if need > pool.usable:
             raise EngineError(f"the request needs up to {need * bs} positions of KV cache ({len(req.prompt)} prompt "
                               f"tokens, max_tokens {req.max_new}, n={req.params.n}); the cache holds "
@@ -264,6 +275,7 @@ class Scheduler:
         prompt computes it once."""
         out: list[Admitted] = []
         deferred: list[Request] = []
+        bs, pool, G = self.block_size, self.pool, self.groups
         while self.waiting:
             req = self.waiting[0]
             if req.preempted:
@@ -275,73 +287,111 @@ class Scheduler:
             if len(self.free_rows) < req.params.n:
                 break
             feed = req.feed
+            if req.digests is None:
+                req.digests = chain(feed, bs, []) if self.prefix_caching else []
+            h, hits = self._hits(req.digests, len(feed) - 1)
             if self.prefix_caching and req.params.prompt_logprobs is None:
                 pending = self._pending_overlap(feed, self.prefilling + [a.request for a in out])
-                if pending >= DEFER_MIN and pending >= self.block_size * len(
-                        self.pool.match(feed, len(feed) - 1, count=False)) + DEFER_MIN:
+                if pending >= DEFER_MIN and pending >= h * bs + DEFER_MIN:
                     deferred.append(self.waiting.popleft())
                     continue
-            hits = self.pool.match(feed, len(feed) - 1, count=False) if self.prefix_caching else []
             # a request that asks for prompt logprobs computes the last cached position again (copy on write)
-            cow = req.params.prompt_logprobs is not None and self._scored_reuse(req, hits)
+            cow = req.params.prompt_logprobs is not None and self._scored_reuse(req, h, req.digests)
             if req.params.prompt_logprobs is not None and not cow:
-                hits = []
-            partial = len(feed) % self.block_size != 0
-            need = self.pool.blocks_for(len(feed)) - len(hits) + cow + (req.params.n - 1) * partial
+                h, hits = 0, [[] for _ in range(G)]
+            partial = len(feed) % bs != 0
+            blocks = pool.blocks_for(len(feed))
+            need = G * (blocks - h + cow + (req.params.n - 1) * partial)
             if not self._room(need, hits):
                 break
             self.waiting.popleft()
             if self.prefix_caching:
-                self.pool.query_tokens += len(feed)
-                self.pool.hit_tokens += len(hits) * self.block_size - cow
+                pool.query_tokens += len(feed)
+                pool.hit_tokens += h * bs - cow
             first = req.samples[0]
-            self.pool.take(hits)
-            shared = hits[:-1] if cow else hits
-            own = self.pool.allocate(self.pool.blocks_for(len(feed)) - len(shared))
-            first.blocks = shared + own
-            first.committed = len(shared)
-            first.position = len(hits) * self.block_size - cow
+            copies = []
+            first.tables = []
+            for g in range(G):
+                pool.take(hits[g])
+                shared = hits[g][:-1] if cow else hits[g]
+                own = pool.allocate(blocks - len(shared))
+                first.tables.append(shared + own)
+                if cow:
+                    copies.append((hits[g][-1], own[0]))
+            first.committed = h - cow
+            first.digests = req.digests[:h - cow]
+            first.behind = [0] * G
+            first.position = h * bs - cow
             first.target = len(feed)
-            req.reserved = self.pool.allocate((req.params.n - 1) * partial) or []
+            req.reserved = pool.allocate(G * (req.params.n - 1) * partial) or []
             for s in req.samples:
                 s.row = self.free_rows.pop()
             req.cached_tokens = min(first.position, len(req.prompt))
             self._order[req.id] = self._admitted = self._admitted + 1
-            out.append(Admitted(req, (hits[-1], own[0]) if cow else None))
+            out.append(Admitted(req, copies or None))
         self.waiting.extendleft(reversed(deferred))
         return out
 
-    def _room(self, need: int, hits: list[int]) -> bool:
+    def _hits(self, digests: list[bytes], limit: int) -> tuple[int, list[list[int]]]:
+        """The longest prefix of whole blocks (at most `limit` tokens) that the cache holds for every layer group:
+        a full-context group must hold all its blocks, a sliding-window group those that the window of the hit's
+        last position sees (vLLM's hybrid rule; that position, not the next, since a prompt-logprobs reuse computes
+        it again). -> (blocks, per group the table's first entries: the cached blocks, the scratch block before a
+        window)."""
+        G, bs, pool = self.groups, self.block_size, self.pool
+        if not self.prefix_caching:
+            return 0, [[] for _ in range(G)]
+        full = [g for g, w in enumerate(self.windows) if w is None]
+        h, n = 0, min(len(digests), limit // bs)
+        while h < n and all(pool.cached(g, digests[h]) is not None for g in full):
+            h += 1
+
+        def low(g: int, h: int) -> int:        # the first block a window group needs at a hit of h blocks
+            w = self.windows[g]
+            return 0 if w is None else max(0, h * bs - 1 - w) // bs
+
+        while h and not all(pool.cached(g, digests[i]) is not None
+                            for g in range(G) if self.windows[g] is not None for i in range(low(g, h), h)):
+            h -= 1
+        return h, [[SCRATCH] * low(g, h) + [pool.cached(g, digests[i]) for i in range(low(g, h), h)]
+                   for g in range(G)]
+
+    def _room(self, need: int, hits: list[list[int]]) -> bool:
         """Whether `need` new blocks can be had beside the cached ones a hit takes out of the free queue, keeping
         the watermark for the running samples (unless nothing runs: then everything is there to have)."""
-        idle = sum(1 for b in hits if self.pool.ref[b] == 0)
+        idle = sum(1 for t in hits for b in t if b != SCRATCH and self.pool.ref[b] == 0)
         keep = self.watermark if self.running or self.prefilling else 0
         return need + idle <= self.pool.available - keep
 
     def _readmit(self, req: Request) -> bool:
-        """A preempted request's blocks again: each unfinished sample's table starts with the cached blocks of its
-        sequence (usually most of what it held) and gets new ones for the rest, to be prefilled up to where it
+        """A preempted request's blocks again: each unfinished sample's tables start with the cached blocks of its
+        sequence (usually most of what it held) and get new ones for the rest, to be prefilled up to where it
         was. -> False, and nothing taken, while they are not all available."""
         plans = []
-        need, idle = 0, 0
-        taken: set[int] = set()
+        need, seen = 0, set()
+        idle = 0
         for s in req.samples:
             if s.finished:
                 continue
             tokens = req.tokens(s)[:s.target]
-            hits = self.pool.match(tokens, s.target - 1, count=False) if self.prefix_caching else []
-            need += self.pool.blocks_for(s.target) - len(hits)
-            idle += sum(1 for b in hits if self.pool.ref[b] == 0 and b not in taken)
-            taken.update(hits)
-            plans.append((s, hits))
+            s.digests = chain(tokens, self.block_size, s.digests) if self.prefix_caching else []
+            h, hits = self._hits(s.digests, s.target - 1)
+            need += self.groups * (self.pool.blocks_for(s.target) - h)
+            for b in (b for t in hits for b in t if b != SCRATCH and b not in seen):
+                seen.add(b)
+                idle += self.pool.ref[b] == 0
+            plans.append((s, h, hits))
         keep = self.watermark if self.running or self.prefilling else 0
         if need + idle > self.pool.available - keep:
             return False
-        for s, hits in plans:
-            self.pool.take(hits)
-            s.blocks = hits + self.pool.allocate(self.pool.blocks_for(s.target) - len(hits))
-            s.committed = len(hits)
-            s.position = len(hits) * self.block_size
+        for s, h, hits in plans:
+            s.tables = []
+            for g in range(self.groups):
+                self.pool.take(hits[g])
+                s.tables.append(hits[g] + self.pool.allocate(self.pool.blocks_for(s.target) - h))
+            s.committed = h
+            s.behind = [0] * self.groups
+            s.position = h * self.block_size
         req.preempted = False
         return True
 
@@ -363,24 +413,24 @@ class Scheduler:
             best = max(best, lo)
         return best
 
-    def _scored_reuse(self, req: Request, hits: list[int]) -> bool:
-        """Whether a request that asks for prompt logprobs may reuse the cached blocks it hit: a memo must cover
+    def _scored_reuse(self, req: Request, h: int, digests: list[bytes]) -> bool:
+        """Whether a request that asks for prompt logprobs may reuse the h cached blocks it hit: a memo must cover
         them with as many alternatives; it then takes the memo's entries for their positions but the last, whose
         logits score the first new token (req.prompt_entries). Otherwise its prompt is computed whole."""
-        memo = self.prompt_memo.get(self.pool.cid_of[hits[-1]]) if hits else None
+        memo = self.prompt_memo.get(digests[h - 1]) if h else None
         if memo is None or memo[0] < req.params.prompt_logprobs:
             req.prompt_entries = [(req.prompt[0], None, None)]
             return False
-        req.prompt_entries = list(memo[1][:len(hits) * self.block_size])
+        req.prompt_entries = list(memo[1][:h * self.block_size])
         return True
 
     def scored(self, req: Request) -> list:
         """`req`'s prompt logprobs are complete: -> them, and the cached blocks of its prompt remember them for
-        later prompts."""
+        later prompts (by digest: each memo covers at least its block)."""
         entries, req.prompt_entries = req.prompt_entries, None
         first = req.samples[0]
-        for b in first.blocks[:min(first.committed, len(req.prompt) // self.block_size)]:
-            self.prompt_memo[self.pool.cid_of[b]] = (req.params.prompt_logprobs, entries)
+        for d in first.digests[:min(first.committed, len(req.prompt) // self.block_size)]:
+            self.prompt_memo[d] = (req.params.prompt_logprobs, entries)
         return entries
 
     def start_prefill(self, req: Request) -> None:
@@ -405,14 +455,31 @@ class Scheduler:
         return batch
 
     def filled(self, req: Request, s: Sample) -> None:
-        """`s` has written its positions up to s.position: register its newly full blocks in the prefix cache."""
-        if self.prefix_caching and s.position // self.block_size > s.committed:
-            s.committed = self.pool.commit(s.blocks, req.tokens(s)[:s.position], s.committed)
+        """`s` has written its positions up to s.position: register its newly full blocks in the prefix cache, and
+        give back the blocks of sliding-window groups that its next positions' windows no longer see (they stay
+        cached, as any released block)."""
+        bs = self.block_size
+        full = s.position // bs
+        if self.prefix_caching and full > s.committed:
+            chain(req.tokens(s)[:full * bs], bs, s.digests)
+            for g in range(self.groups):
+                self.pool.commit(g, s.tables[g], s.digests, s.committed, full)
+            s.committed = full
+        if self.windowed:
+            for g, w in enumerate(self.windows):
+                if w is None:
+                    continue
+                gone = max(0, s.position - w) // bs        # block i is seen no more once (i + 1) * bs <= pos - w
+                table = s.tables[g]
+                if gone > s.behind[g]:
+                    self.pool.release(table[s.behind[g]:gone])
+                    table[s.behind[g]:gone] = [SCRATCH] * (gone - s.behind[g])
+                    s.behind[g] = gone
 
     def prefilled(self, req: Request) -> list[tuple[int, int]]:
         """`req`'s prefill is done: it decodes from now on. A new prompt's other samples share its first
-        sample's full blocks and take a reserved block for the partly filled last one; -> the (source,
-        destination) blocks to copy for them."""
+        sample's full blocks and take a reserved block for the partly filled last one, in each layer group; ->
+        the (source, destination) blocks to copy for them."""
         self.prefilling.remove(req)
         self.running.append(req)
         copies = []
@@ -421,13 +488,18 @@ class Scheduler:
             first = req.samples[0]
             full = first.position // self.block_size
             for s in req.samples[1:]:
-                self.pool.take(first.blocks[:full])
-                s.blocks = first.blocks[:full]
-                if len(first.blocks) > full:
-                    block = req.reserved.pop()
-                    s.blocks = s.blocks + [block]
-                    copies.append((first.blocks[full], block))
+                s.tables = []
+                for table in first.tables:
+                    self.pool.take(table[:full])
+                    mine = table[:full]
+                    if len(table) > full:
+                        block = req.reserved.pop()
+                        mine = mine + [block]
+                        copies.append((table[full], block))
+                    s.tables.append(mine)
                 s.committed = min(first.committed, full)
+                s.digests = list(first.digests[:s.committed])
+                s.behind = list(first.behind)
                 s.position = s.target = first.position
         return copies
 
@@ -439,19 +511,21 @@ class Scheduler:
         return out
 
     def grow(self, decoding: list[tuple[Request, Sample]]) -> list[tuple[Request, Sample]]:
-        """A block for each decoding sample whose next position starts one; where none is left, the most recently
+        """A block (one per layer group) for each decoding sample whose next position starts one; where none is
+        left, the most recently
         admitted running request is preempted (`preempt`), until the rest have theirs. -> the samples that
         decode this step (a preempted request's leave the list)."""
         out = list(decoding)
         i = 0
         while i < len(out):
             req, s = out[i]
-            if s.position < len(s.blocks) * self.block_size:
+            if s.position < len(s.tables[0]) * self.block_size:
                 i += 1
                 continue
-            blocks = self.pool.allocate(1)
+            blocks = self.pool.allocate(self.groups)
             if blocks is not None:
-                s.blocks.append(blocks[0])
+                for table, block in zip(s.tables, blocks):
+                    table.append(block)
                 i += 1
                 continue
             victim = max((r for r in self.running if not r.done), key=lambda r: self._order.get(r.id, 0))
@@ -464,8 +538,9 @@ class Scheduler:
         """Give back a running request's blocks (its full ones stay cached) and queue it first, to compute its
         samples' keys again (readmit, prefill) and go on where it was; it keeps its rows and its outputs."""
         for s in req.samples:
-            self.pool.release(s.blocks)
-            s.blocks, s.committed = [], 0
+            for table in s.tables:
+                self.pool.release(table)
+            s.tables, s.committed = [], 0
             if not s.finished:
                 s.target = s.position
                 s.position = 0
@@ -493,8 +568,9 @@ class Scheduler:
         for req in list(self.prefilling) + list(self.running):
             for s in req.samples:
                 if s.finished and s.row >= 0:
-                    self.pool.release(s.blocks)
-                    s.blocks = []
+                    for table in s.tables:
+                        self.pool.release(table)
+                    s.tables = []
                     self.free_rows.add(s.row)
                     s.row = -1
             if req.done:

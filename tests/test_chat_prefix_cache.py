@@ -222,16 +222,21 @@ def test_n_samples_share_their_prompts_blocks(nanochat_model, tokenizer):
     assert all(engine.scheduler.pool.ref[b] == 3 for b in samples[0].tables[0][:2])
 
 
-def test_memory_per_stored_token_is_the_floor(nanochat_model, tokenizer):
-    """The pool's bytes over the positions its blocks hold: 2 x layers x kv_heads x head_dim x bytes."""
+@pytest.mark.parametrize("arch", ["nanochat", "modern", "gpt2"])
+def test_memory_per_stored_token_is_the_floor(arch, tokenizer):
+    """The pool's bytes over the positions its blocks hold, every layer group together: 2 x layers x kv_heads x
+    head_dim x bytes; the pool takes all of kv_cache_memory but less than a block."""
+    from tests.conftest import tiny_model
+
     for dtype in (torch.float32, torch.bfloat16):
-        model = nanochat_model.to(dtype)
+        model = tiny_model(arch, tokenizer).to(dtype)
         engine = LLMEngine(model, tokenizer, max_rows=2, kv_cache_memory=1 << 20)
-        c = model.config
+        c, cache = model.config, engine.cache
         floor = 2 * c.n_layer * c.n_kv_head * c.head_dim * dtype.itemsize
-        assert engine.cache.nbytes() == floor * engine.cache.n_blocks * engine.cache.block_size
-        assert engine.cache.nbytes() <= 1 << 20 and engine.cache.nbytes() > (1 << 20) - floor * 16
-    nanochat_model.to(torch.float32)
+        per_block = KVCache.block_bytes(c, cache.block_size, dtype)
+        assert per_block * len(cache.groups) == floor * cache.block_size
+        assert cache.nbytes() == per_block * cache.n_blocks
+        assert (1 << 20) - per_block < cache.nbytes() <= 1 << 20
 
 
 def template_conversations(n, rng, vocab=500):

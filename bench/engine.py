@@ -115,10 +115,12 @@ def run_streams(model, tok, n_streams, prompt_len, max_tokens, **extra):
 
 @torch.inference_mode()
 def bare_forward_ms(model, batch, position, repeats=50):
-    from core.chat.kv_cache import KVCache
+    from core.chat.kv_cache import KVCache, LayerGroups
 
     device, dtype = model.get_device(), next(model.parameters()).dtype
-    cache = KVCache.for_model(model.config, 1 + batch * -(-(position + 1) // 16), 16, dtype=dtype, device=device)
+    groups = len(LayerGroups.of(model.config.layer_windows))
+    cache = KVCache.for_model(model.config, 1 + groups * batch * -(-(position + 1) // 16), 16, dtype=dtype,
+                              device=device)
     ids = torch.randint(0, 200, (batch, 1), device=device)
     rows, start = cache.tables(batch, position + 1), [position] * batch
     last = torch.zeros(batch, dtype=torch.long, device=device)

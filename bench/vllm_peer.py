@@ -25,6 +25,10 @@ Then the two engines offline on the same prompts (`--streams` prompts at once, `
 `ignore_eos`): this project's `LLMEngine` in this process (torch threads 1 and 2) and vLLM's `LLM.generate` in
 its venv, so that what each HTTP path keeps of its engine is in the same run.
 
+With `--serve-bench ... --servers ours before --before DIR` the same workloads run against this checkout's
+service and an earlier one's (a git worktree: started on this venv with DIR first on the Python path and its
+own kernel build), alternating: a before/after comparison of the project itself.
+
 Prints a table per max_tokens: tokens/s at `--streams` and at 1, time to first token p50, for each server and
 run, and the engines' offline tokens/s. Both servers and the load generator share the machine's cores, as in
 bench.http.
@@ -304,6 +308,10 @@ def main() -> None:
                         "or float32 (like for like)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an application argument of ours over serve_config.cpu.yaml's, e.g. chat_torch_threads=2")
+    p.add_argument("--servers", nargs="+", default=["ours", "vllm"], choices=("ours", "before", "vllm"),
+                   help="with --serve-bench: which servers, in this order on odd runs (reversed on even ones)")
+    p.add_argument("--before", type=Path, help="a checkout of this project to serve as 'before' (a git worktree of "
+                   "an earlier commit), on this venv with that checkout first on the path")
     args = p.parse_args()
     overrides = {"chat_dtype": args.dtype, **app_overrides(args.set)}
     if args.offline_only:
@@ -351,19 +359,25 @@ def main() -> None:
 
 def serve_benches(args, overrides: dict, work: Path, ours_dir: Path, hf_dir: Path) -> None:
     """--serve-bench: each server started in turn (alternating order per run), every workload against it."""
-    results = {w: {"ours": [], "vllm": []} for w in args.serve_bench}
+    results = {w: {name: [] for name in args.servers} for w in args.serve_bench}
     for run in range(args.runs):
-        for name in (("ours", "vllm") if run % 2 == 0 else ("vllm", "ours")):
-            server = (start_ours(ours_dir, work, overrides) if name == "ours"
-                      else start_vllm(args.vllm_python, hf_dir, work, args.dtype))
+        for name in (args.servers if run % 2 == 0 else args.servers[::-1]):
+            if name == "vllm":
+                server = start_vllm(args.vllm_python, hf_dir, work, args.dtype)
+            elif name == "before":
+                before = args.before.resolve()
+                server = start_ours(ours_dir, work, overrides, env={
+                    "PYTHONPATH": str(before), "TORCH_EXTENSIONS_DIR": str(before / ".torch_extensions")})
+            else:
+                server = start_ours(ours_dir, work, overrides)
             try:
                 server.wait_ready()
                 for w in args.serve_bench:
-                    r = serve_bench(args.vllm_python, server.url, ours_dir.name if name == "ours" else "peer",
+                    r = serve_bench(args.vllm_python, server.url, "peer" if name == "vllm" else ours_dir.name,
                                     hf_dir, w, work)
                     results[w][name].append({k: r.get(k) for k in ("output_throughput", "median_tpot_ms",
                                                                    "median_ttft_ms", "completed", "total_output_tokens")})
-                    print(f"{w:18} {name:5} run {run + 1}: {r['output_throughput']:8.1f} tokens/s, TPOT p50 "
+                    print(f"{w:18} {name:6} run {run + 1}: {r['output_throughput']:8.1f} tokens/s, TPOT p50 "
                           f"{r['median_tpot_ms']:.1f} ms, TTFT p50 {r['median_ttft_ms']:.0f} ms", flush=True)
             finally:
                 server.stop()

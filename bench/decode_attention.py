@@ -2,10 +2,11 @@
 and scattered over it (what they become once requests come and go).
 
     python -m bench.decode_attention [--shape 4x256] [--rows 32] [--positions 64 256 768 1536]
-                                     [--dtypes float32 bfloat16] [--threads 1] [--json out.json]
+                                     [--dtypes float32 bfloat16] [--threads 1] [--block-size 16]
+                                     [--json out.json]
 
 A random GPT-2 of `--shape` (the demo vocabulary, context 2048) and a paged cache with room for every row's
-whole context; every row of the batch at the same position, its blocks of 16 positions one after another
+whole context; every row of the batch at the same position, its blocks (`--block-size`) one after another
 (contiguous) or interleaved with the other rows' (scattered). Per position and dtype, alternating: the model's
 decode forward and the attention path the engine takes on this machine (attention.py),
 and the bare attention of one layer (the CPU kernel where built, else SDPA over the gathered rows). GB/s: the keys
@@ -45,6 +46,7 @@ def main() -> None:
     p.add_argument("--positions", type=int, nargs="+", default=[64, 256, 768, 1536])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16, help="positions per KV-cache block")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json")
     args = p.parse_args()
@@ -52,14 +54,14 @@ def main() -> None:
     n_layer, n_embd = parse_shape(args.shape)
     base, _ = random_gpt2(n_layer, n_embd, sequence_len=2048)
     n = args.rows
-    bs = 16
+    bs = args.block_size
     per = 2048 // bs
 
     def tables(layout):
         """Each row's blocks one after another (contiguous) or the rows' blocks interleaved (scattered)."""
         if layout == "contiguous":
-            return [list(range(1 + r * per, 1 + (r + 1) * per)) for r in range(n)]
-        return [list(range(1 + r, 1 + n * per, n)) for r in range(n)]
+            return [[list(range(1 + r * per, 1 + (r + 1) * per))] for r in range(n)]
+        return [[list(range(1 + r, 1 + n * per, n))] for r in range(n)]
 
     layouts = {name: tables(name) for name in ("contiguous", "scattered")}
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s); "

@@ -71,11 +71,22 @@ static inline void accumulate(float* acc, float p, const scalar_t* v, int64_t D)
   for (int64_t d = 0; d < D; ++d) acc[d] += p * as_float(v[d]);
 }
 
+// How far ahead of the key being read its successors are fetched towards the core (into L2), in keys. A block of
+// one head is a short contiguous run (block_size x D elements) and the next one lies elsewhere, so the hardware's
+// stream prefetcher does not run ahead across blocks: the kernel fetches the key this many positions ahead, found
+// through the block table, as it reads each group of keys.
+constexpr int64_t PREFETCH_KEYS = 32;
+
+// Where entry t's key `j` of head hk lies, or null past `n`.
+template <typename scalar_t>
+static inline const scalar_t* ahead(const Paged<scalar_t>& K, const int64_t* t, int64_t hk, int64_t j, int64_t n) {
+  return j < n ? K.at(t, hk, j) : nullptr;
+}
+
 // The scores of keys lo..n-1 of one entry (sc[j - lo]), read run by run: each run is the part of one block that
 // lies in the range, scored in fours from the run's start, then one by one. Every path reads a key range this
 // way, so an entry's scores are the same bits whichever path reads them (alone, or its shared blocks in a group,
-// which start at block boundaries as every run of a window-free entry does). The next block is fetched towards
-// the core while one is scored.
+// which start at block boundaries as every run of a window-free entry does).
 template <typename scalar_t>
 static inline void score_range(const float* qf, const Paged<scalar_t>& K, const int64_t* t, int64_t hk, int64_t lo,
                                int64_t n, float* sc, int64_t G = 1, int64_t stride = 0) {
@@ -83,10 +94,11 @@ static inline void score_range(const float* qf, const Paged<scalar_t>& K, const 
   for (int64_t a = lo; a < n;) {
     const int64_t e = std::min(n, (a / bs + 1) * bs);
     const scalar_t* k0 = K.at(t, hk, a);
-    if (e < n) prefetch_rows(K.at(t, hk, e), bs * D);
     int64_t j = a;
-    for (; j + 4 <= e; j += 4)
+    for (; j + 4 <= e; j += 4) {
+      if (const scalar_t* p = ahead(K, t, hk, j + PREFETCH_KEYS, n)) prefetch_rows(p, 4 * D);
       for (int64_t m = 0; m < G; ++m) score4(qf + m * D, k0 + (j - a) * D, D, sc + m * stride + j - lo);
+    }
     for (; j < e; ++j)
       for (int64_t m = 0; m < G; ++m) sc[m * stride + j - lo] = score1(qf + m * D, k0 + (j - a) * D, D);
     a = e;
@@ -101,9 +113,10 @@ static inline void weigh_range(float* acc, const Paged<scalar_t>& V, const int64
   for (int64_t a = lo; a < n;) {
     const int64_t e = std::min(n, (a / bs + 1) * bs);
     const scalar_t* v0 = V.at(t, hk, a);
-    if (e < n) prefetch_rows(V.at(t, hk, e), bs * D);
-    for (int64_t j = a; j < e; ++j)
+    for (int64_t j = a; j < e; ++j) {
+      if (const scalar_t* q = ahead(V, t, hk, j + PREFETCH_KEYS, n)) prefetch_rows(q, D);
       for (int64_t m = 0; m < G; ++m) accumulate(acc + m * D, p[m * stride + j - lo], v0 + (j - a) * D, D);
+    }
     a = e;
   }
 }

@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from bench.sse import Connection
-from bench.vllm_peer import app_overrides, build_checkpoints, start_ours, start_vllm
+from bench.vllm_peer import app_overrides, build_checkpoints, start_ours, start_vllm, stream_once
 
 SYSTEM, USER, REPLY, NEW = 64, 32, 64, 64
 
@@ -83,25 +83,15 @@ async def run_load(url: str, model: str | None, convs: list[list[list[int]]], co
                     await wake.wait()
                 c, t = queue.popleft()
                 active += 1
-                body = {"prompt": convs[c][t], "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
-                        "stream": True, "stream_options": {"include_usage": True}}
-                if model:
-                    body["model"] = model
-                t0, first, n = time.perf_counter(), None, 0
+                t0 = time.perf_counter()
                 try:
-                    async for line in conn.post_lines("/v1/completions", body):
-                        if not line.startswith("data: {"):
-                            continue
-                        data = json.loads(line[6:])
-                        if data.get("usage"):
-                            n = data["usage"]["completion_tokens"]
-                        elif first is None and data["choices"] and data["choices"][0].get("text"):
-                            first = time.perf_counter() - t0
+                    ttft, n = await stream_once(conn, model, convs[c][t], NEW)
                 except Exception:   # noqa: BLE001 - counted, reported
                     failed += 1
+                    ttft, n = time.perf_counter() - t0, 0
                     conn.close()
                     conn = Connection(url)
-                ttfts.append(first if first is not None else time.perf_counter() - t0)
+                ttfts.append(ttft)
                 tokens += n
                 active -= 1
                 if t + 1 < len(convs[c]):

@@ -16,7 +16,8 @@ computes it natively), started in turn, alternating, `--runs` times; vLLM with i
 (bench.vllm_peer.VLLM_ENV). Printed per run: output tokens/s, TTFT p50, and the share of prompt tokens served
 from the cache, read from each server's own counters before and after the load (ours: /debug/stats'
 prefix_cache; vLLM: its /metrics' prefix_cache_queries and prefix_cache_hits), beside the most any cache could
-serve (the system prompt of turn 1 and each later turn's previous prompt).
+serve (the system prompt of turn 1 and each later turn's previous prompt). `--engine-alone` runs the same
+conversations against this project's engine in this process instead: the serving path's share of the time.
 """
 from __future__ import annotations
 
@@ -108,6 +109,42 @@ async def run_load(url: str, model: str | None, convs: list[list[list[int]]], co
             "requests": len(ttfts), "wall_s": wall}
 
 
+def engine_alone(checkpoint: Path, convs: list[list[list[int]]], concurrency: int, memory: int | None) -> dict:
+    """The same conversations against this project's engine in this process (one torch thread, its default
+    dtype), the same queue discipline: what the engine makes of the load without the serving path."""
+    import torch
+
+    from core.chat import LLMEngine, SamplingParams
+    from core.chat.weights import chat_dtype, load_chat_model
+
+    torch.set_num_threads(1)
+    model, tok, _ = load_chat_model(str(checkpoint), "cpu", chat_dtype("auto", torch.device("cpu"))[0])
+    engine = LLMEngine(model, tok, max_rows=32, kv_cache_memory=memory)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    queue = deque((c, 0) for c in range(len(convs)))
+    started, ttfts, tokens, turn_of = {}, [], 0, {}
+    t0 = time.perf_counter()
+    while queue or engine.has_work():
+        while queue and len(started) < concurrency:
+            c, t = queue.popleft()
+            rid = engine.add_request(convs[c][t], params)
+            started[rid], turn_of[rid] = time.perf_counter(), (c, t)
+        for ev in engine.step():
+            if ev.token is not None:
+                tokens += 1
+                if ev.completion_tokens == 1:
+                    ttfts.append(time.perf_counter() - started[ev.request_id])
+            if ev.finish_reason is not None:
+                started.pop(ev.request_id)
+                c, t = turn_of.pop(ev.request_id)
+                if t + 1 < len(convs[c]):
+                    queue.append((c, t + 1))
+    wall = time.perf_counter() - t0
+    s = engine.stats()
+    return {"tokens_per_s": tokens / wall, "ttft_p50_ms": 1000 * statistics.median(ttfts),
+            "cached_share": s.prefix_hit_tokens / max(1, s.prefix_query_tokens), "wall_s": wall}
+
+
 def ours_cache(url: str) -> tuple[int, int]:
     s = httpx.get(url + "/debug/stats", timeout=30).json()["chat"]["prefix_cache"]
     return s["query_tokens"], s["hit_tokens"]
@@ -131,6 +168,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--shape", default="4x256")
     p.add_argument("--only", choices=("ours", "vllm"), help="one server only")
+    p.add_argument("--engine-alone", action="store_true",
+                   help="instead: the same conversations against this project's engine in this process")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an application argument of ours over serve_config.cpu.yaml's")
     p.add_argument("--json")
@@ -142,6 +181,13 @@ def main() -> None:
     warm = conversations(4, 1, min(vocab, bos), bos, seed=1)
     best = cacheable(convs)
     results: dict[str, list] = {"ours": [], "vllm": []}
+    if args.engine_alone:
+        memory = app_overrides(args.set).get("chat_kv_cache_memory")
+        for run in range(args.runs):
+            r = engine_alone(ours_dir, convs, args.concurrency, memory)
+            print(f"engine alone run {run + 1}: {r['tokens_per_s']:8.1f} tokens/s, TTFT p50 {r['ttft_p50_ms']:6.0f} ms, "
+                  f"cached {100 * r['cached_share']:5.1f}% of prompt tokens (at most {100 * best:.1f}%)", flush=True)
+        return
     names = [args.only] if args.only else ["ours", "vllm"]
     for run in range(args.runs):
         for name in (names if run % 2 == 0 else names[::-1]):

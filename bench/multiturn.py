@@ -185,7 +185,8 @@ def main() -> None:
         memory = app_overrides(args.set).get("chat_kv_cache_memory")
         for run in range(args.runs):
             r = engine_alone(ours_dir, convs, args.concurrency, memory)
-            print(f"engine alone run {run + 1}: {r['tokens_per_s']:8.1f} tokens/s, TTFT p50 {r['ttft_p50_ms']:6.0f} ms, "
+            print(f"engine alone run {run + 1}: {r['tokens_per_s']:8.1f} tokens/s, TTFT p50 "
+                  f"{r['ttft_p50_ms']:6.0f} ms, "
                   f"cached {100 * r['cached_share']:5.1f}% of prompt tokens (at most {100 * best:.1f}%)", flush=True)
         return
     names = [args.only] if args.only else ["ours", "vllm"]

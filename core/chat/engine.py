@@ -5,7 +5,8 @@ Design (after vLLM's v1 engine, at nanochat's scale). A request is a prompt and 
 one round of three parts:
 - schedule (scheduler.py, no torch): take in new requests and aborts, give waiting requests rows and blocks
   (sharing the cached blocks of their prompt's longest cached prefix, block_pool.py), pick the prompt tokens to
-  prefill and the samples to decode, a block for each sample that fills one (preempting when none is left);
+  prefill and the samples to decode, a block for each sample that fills one (preempting when none is
+  left);
 - run (here): one prefill pass over up to `prefill_chunk` prompt tokens, then one decode pass for every
   running sample (CUDA graphs on a GPU, eager otherwise), each followed by the sampler;
 - outputs (outputs.py, no model): each token through the calculator state machine, the text decoder and the
@@ -14,10 +15,11 @@ A caller that streams can have the events ready before the decode pass (the firs
 handed over at once (`step(emit=...)`).
 
 `n` samples of a prompt share one prefill: the siblings share its full blocks (the partly filled last one is
-copied) and each sample draws its own first token. A request may continue an earlier generation of the same prompt (`resume`: the
-tokens that generation had delivered, e.g. on a replica that was lost): those tokens are prefilled after the
-prompt and replayed through the output side (their events dropped) and the penalties, and the sample's random
-stream advances one draw per token as it did in the first run, so the continuation is the rest of that run.
+copied) and each sample draws its own first token. A request may continue an earlier generation of the same
+prompt (`resume`: the tokens that generation had delivered, e.g. on a replica that was lost): those tokens are
+prefilled after the prompt and replayed through the output side (their events dropped) and the penalties, and
+the sample's random stream advances one draw per token as it did in the first run, so the continuation is the
+rest of that run.
 """
 from __future__ import annotations
 

@@ -310,7 +310,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     rows_used: int                   # sequences holding a row (max_rows of them run at once)
     rows_total: int
     cache_tokens: int                # positions stored in the KV cache for running sequences
-    cache_capacity: int              # positions the KV cache's blocks hold in all
+    cache_capacity: int              # positions the KV cache's blocks hold in all (every layer group at each)
     prefix_query_tokens: int = 0     # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0       # of those, found in cached blocks (reused, not computed)
     blocks_total: int = 0            # KV-cache blocks a sequence can hold

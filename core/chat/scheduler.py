@@ -233,9 +233,10 @@ class Scheduler:
         """The engine's EngineStats: rows, blocks, the prefix cache's lookups and hits, preemptions."""
         running, waiting, positions = self.counts()
         pool = self.pool
-        return EngineStats(running, waiting, self.max_rows - len(self.free_rows), self.max_rows, positions,
-                           pool.usable * pool.block_size, pool.query_tokens, pool.hit_tokens, pool.usable,
-                           pool.in_use, pool.cached_blocks, pool.block_size, self.preemptions, pool.evictions)
+        capacity = pool.usable // self.groups * pool.block_size
+        return EngineStats(running, waiting, self.max_rows - len(self.free_rows), self.max_rows, positions, capacity,
+                           pool.query_tokens, pool.hit_tokens, pool.usable, pool.in_use, pool.cached_blocks,
+                           pool.block_size, self.preemptions, pool.evictions)
 
     def counts(self) -> tuple[int, int, int]:
         """(running, waiting, cache positions in use)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import CacheBatch, KVCache
+from .kv_cache import CacheBatch, KVCache, padded_tables
 
 
 class GraphCaptureError(RuntimeError):
@@ -87,7 +87,6 @@ class DecodeGraphs:
         slots = [[ts[k][p // bs] * bs + p % bs for ts, p in zip(tables, positions)] + [0] * pad for k in groups]
         g.inputs.copy_(torch.tensor([tokens + [0] * pad, positions + [0] * pad, (previous or [-1] * n) + [-1] * pad]
                                     + slots))
-        g.tables.copy_(torch.tensor([[ts[k][:width] + [0] * (width - len(ts[k][:width])) for ts in tables]
-                                     + [[0] * width] * pad for k in groups]))
+        g.tables.copy_(torch.stack([padded_tables([ts[k] for ts in tables] + [[]] * pad, width) for k in groups]))
         g.graph.replay()
         return g.out[:n]

@@ -144,7 +144,7 @@ class LLMEngine:
     def set_prefix(self, prefix_ids: list[int]) -> None:
         """Compute `prefix_ids` once into blocks that the engine holds for good: prompts that start with them share
         their full blocks (the prefix cache's ordinary hit)."""
-        sched, pool = self.scheduler, self.scheduler.pool
+        pool = self.scheduler.pool
         for table in self._prefix_tables:
             pool.release(table)
         G, n = len(self.cache.groups), pool.blocks_for(len(prefix_ids))
@@ -188,10 +188,11 @@ class LLMEngine:
         return events
 
     def _admit(self, events: list[TokenEvent]) -> None:
-        for adm in self.scheduler.admit():
+        admitted = self.scheduler.admit()
+        self.cache.touch(self.scheduler.pool.touched)       # the blocks admission handed out hold finite values
+        for adm in admitted:
             req = adm.request
             if adm.copy:
-                self.cache.touch(self.scheduler.pool.touched)
                 for src, dst in adm.copy:
                     self.cache.copy_block(src, [dst])
                 self.scheduler.pool.release([src for src, _ in adm.copy])
@@ -207,7 +208,6 @@ class LLMEngine:
             if req.params.grammar is not None:         # the first masks, computed while the prompt prefills
                 self.grammars.advance([(s.matcher, s.row, list(req.resume)) for s in req.samples])
             self.scheduler.start_prefill(req)
-        self.cache.touch(self.scheduler.pool.touched)
 
     def _replay(self, req: Request, s: Sample, events: list[TokenEvent]) -> bool:
         """Bring sample `s` to where the run it continues stopped: the resumed tokens go through the output side

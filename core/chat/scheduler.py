@@ -358,9 +358,10 @@ class Scheduler:
                    for g in range(G)]
 
     def _room(self, need: int, hits: list[list[int]]) -> bool:
-        """Whether `need` new blocks can be had beside the cached ones a hit takes out of the free queue, keeping
-        the watermark for the running samples (unless nothing runs: then everything is there to have)."""
-        idle = sum(1 for t in hits for b in t if b != SCRATCH and self.pool.ref[b] == 0)
+        """Whether `need` new blocks can be had beside the cached ones hits take out of the free queue (`hits`:
+        tables, a block counted once however many list it), keeping the watermark for the running samples (unless
+        nothing runs: then everything is there to have)."""
+        idle = len({b for t in hits for b in t if b != SCRATCH and self.pool.ref[b] == 0})
         keep = self.watermark if self.running or self.prefilling else 0
         return need + idle <= self.pool.available - keep
 
@@ -368,9 +369,7 @@ class Scheduler:
         """A preempted request's blocks again: each unfinished sample's tables start with the cached blocks of its
         sequence (usually most of what it held) and get new ones for the rest, to be prefilled up to where it
         was. -> False, and nothing taken, while they are not all available."""
-        plans = []
-        need, seen = 0, set()
-        idle = 0
+        plans, need = [], 0
         for s in req.samples:
             if s.finished:
                 continue
@@ -378,12 +377,8 @@ class Scheduler:
             s.digests = chain(tokens, self.block_size, s.digests) if self.prefix_caching else []
             h, hits = self._hits(s.digests, s.target - 1)
             need += self.groups * (self.pool.blocks_for(s.target) - h)
-            for b in (b for t in hits for b in t if b != SCRATCH and b not in seen):
-                seen.add(b)
-                idle += self.pool.ref[b] == 0
             plans.append((s, h, hits))
-        keep = self.watermark if self.running or self.prefilling else 0
-        if need + idle > self.pool.available - keep:
+        if not self._room(need, [t for _, _, hits in plans for t in hits]):
             return False
         for s, h, hits in plans:
             s.tables = []

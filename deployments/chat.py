@@ -28,6 +28,7 @@ from core.chat.protocol import (ENGINE_STOPPED_CODE, ChatModelInfo, EngineDied, 
                                 EngineStats, GenerateRequest, SamplingError, StreamError, TokenEvent, encode_message)
 
 from .deltas import deltas
+from .gauges import kept
 from .settings import ChatSettings, checkpoint_time
 
 logger = logging.getLogger(__name__)
@@ -73,11 +74,11 @@ class ChatMetrics:
 
     def engine_stats(self, s: EngineStats) -> None:
         """The engine's counters, as its client reports them (every STATS_PERIOD_S while it is busy)."""
-        self.running.set(s.running)
-        self.waiting.set(s.waiting)
-        self.cache.set(s.cache_usage)
-        self.free_blocks.set(s.blocks_total - s.blocks_used)
-        self.cached_blocks.set(s.blocks_cached)
+        kept(self.running).set(s.running)
+        kept(self.waiting).set(s.waiting)
+        kept(self.cache).set(s.cache_usage)
+        kept(self.free_blocks).set(s.blocks_total - s.blocks_used)
+        kept(self.cached_blocks).set(s.blocks_cached)
         queries, hits, preempted = self._reported
         if s.prefix_query_tokens > queries:
             self.prefix_queries.inc(s.prefix_query_tokens - queries)
@@ -163,7 +164,7 @@ class ChatModel:
         start = EngineStart(settings.checkpoint, settings.device, settings.engine, tuple(self.prompter.prefix_ids))
         self.engine = start_engine(start, on_stats=self.metrics.engine_stats, hold=settings.hold)
         self.fallback = 1 if self.engine.linear == "torch-fallback" else 0
-        self.metrics.linear_fallback.set(self.fallback)
+        kept(self.metrics.linear_fallback).set(self.fallback)
         logger.info("chat model %s loaded (%s, %d rows, %s)", self.name, type(self.engine).__name__,
                     settings.engine.max_rows, getattr(self.engine, "info", None))
 
@@ -211,7 +212,7 @@ class ChatModel:
             raise RuntimeError("the chat engine has stopped")
         # Ray's agent drops a gauge not set again within two report intervals: Serve's health check (every
         # health_check_period_s) keeps this one a live series while the replica is up
-        self.metrics.linear_fallback.set(self.fallback)
+        kept(self.metrics.linear_fallback).set(self.fallback)
 
     def _prompt_ids(self, request: GenerateRequest) -> tuple[list[list[int]], list[bool]]:
         """The chat template over `messages`, or the raw `prompts` of a completion (text or token ids), each

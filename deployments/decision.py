@@ -25,6 +25,7 @@ from core.decision import DecisionValidationError
 from core.decision.types import Decided, DecisionModelInfo, DecisionRefused
 from core.decision.process import ScorerStart, start_scorer
 
+from .gauges import kept
 from .settings import BatchSettings, DecisionSettings, checkpoint_time
 
 BATCH = BatchSettings()
@@ -95,6 +96,7 @@ class DecisionModel:
         for m in (self.batch_size_metric, self.questions_metric, self.prefix_queries_metric, self.prefix_hits_metric,
                   self.prefix_bytes_metric):
             m.set_default_tags({"model": self.name})   # a fresh dict each: Serve mutates it
+        kept(self.prefix_bytes_metric).set(self.scorer.prefix_stats()["bytes"])   # a series before the first batch
         logger.info("decision model loaded (%s, %s)", type(self.scorer).__name__, self.scorer.info)
 
     def reconfigure(self, user_config: dict) -> None:
@@ -142,7 +144,7 @@ class DecisionModel:
             if stats[key] > self._reported[key]:
                 metric.inc(stats[key] - self._reported[key])
                 self._reported[key] = stats[key]
-        self.prefix_bytes_metric.set(stats["bytes"])
+        kept(self.prefix_bytes_metric).set(stats["bytes"])
 
     def _answers(self, results: list) -> list[Decided | DecisionRefused]:
         out: list[Decided | DecisionRefused] = []

@@ -30,6 +30,7 @@ from .admission import Admission, RefuseWhenFull, Tally
 from .bodies import read_json
 from .completion import Completion, TextCompletion
 from .errors import RETRY_AFTER_S, APIError, error, install_handlers, validation_message
+from .gauges import kept
 from .generation import respond
 from .openai_requests import (ChatCompletionRequest, DetokenizeRequest, TextCompletionRequest, TokenizeRequest,
                               unsupported)
@@ -87,8 +88,8 @@ class Ingress:
 
     def _admission_changed(self, model: str, admission: Admission) -> None:
         in_flight, waiting = self.admission_gauges
-        in_flight.set(admission.in_flight, tags={"model": model})
-        waiting.set(admission.waiting, tags={"model": model})
+        kept(in_flight).set(admission.in_flight, tags={"model": model})
+        kept(waiting).set(admission.waiting, tags={"model": model})
 
     # ---- shared checks
     def authorized(self, header: str) -> bool:

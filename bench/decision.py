@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("the cat dog red blue green apple pear plum city river bus drill tiger hammer office opens nine "
          "photo upload crash payment refund login page button cart checkout").split()
 BATCH = 16
+CHEAP_WORDS = "the a red blue green cat dog box door light room open closed small big left right near far".split()
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -93,6 +94,24 @@ def client_workload(n: int, seed: int = 0, count=None) -> list[dict]:
         state = (rng.choice(out)["state"] if out and rng.random() < 0.25
                  else client_state(rng, rng.randint(200, 2000), count))
         out.append({"state": state, "questions": client_questions(rng, rng.randint(1, 8), rng.random() < 0.125)})
+    return out
+
+
+def cheap_workload(n: int, seed: int) -> list[dict]:
+    """n small requests: 3 questions over a state of 8-40 words, about half of the states repeated."""
+    rng = random.Random(seed)
+    states: list[str] = []
+    out = []
+    for _ in range(n):
+        if states and rng.random() < 0.5:
+            state = rng.choice(states)
+        else:
+            state = " ".join(rng.choice(CHEAP_WORDS) for _ in range(rng.randint(8, 40)))
+            states.append(state)
+        out.append({"state": state, "questions": {
+            "color": {"instructions": "which color is the cat", "criteria": {"r": "red", "b": "blue", "g": "green"}},
+            "open": {"type": "noul", "instructions": "is the door open"},
+            "size": {"type": "score", "instructions": "how big is the room", "criteria": ["small", "medium", "big"]}}})
     return out
 
 

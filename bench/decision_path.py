@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import subprocess
 import sys
 import tempfile
@@ -30,12 +29,11 @@ from pathlib import Path
 
 import yaml
 
-from bench.decision import client_workload, count_questions
+from bench.decision import cheap_workload, client_workload, count_questions
 from bench.systemone import load
 from bench.path_profile import cpu_table, cpu_ticks, profile_processes, session_pids
 from bench.vllm_peer import ROOT, app_overrides, build_checkpoints, start_ours
 
-WORDS = "the a red blue green cat dog box door light room open closed small big left right near far".split()
 
 OFFLINE = """
 import json, sys, time
@@ -54,24 +52,6 @@ for i in range(0, len(reqs), batch):
     scorer.decide_batch([(r["state"], r["questions"]) for r in reqs[i:i + batch]])
 print("RESULT", json.dumps({"seconds": time.perf_counter() - t0}))
 """
-
-
-def cheap_workload(n: int, seed: int) -> list[dict]:
-    """n small requests: 3 questions over a state of 8-40 words, about half of the states repeated."""
-    rng = random.Random(seed)
-    states: list[str] = []
-    out = []
-    for _ in range(n):
-        if states and rng.random() < 0.5:
-            state = rng.choice(states)
-        else:
-            state = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40)))
-            states.append(state)
-        out.append({"state": state, "questions": {
-            "color": {"instructions": "which color is the cat", "criteria": {"r": "red", "b": "blue", "g": "green"}},
-            "open": {"type": "noul", "instructions": "is the door open"},
-            "size": {"type": "score", "instructions": "how big is the room", "criteria": ["small", "medium", "big"]}}})
-    return out
 
 
 def offline_seconds(app_args: dict, reqs: list[dict], work: Path) -> float:

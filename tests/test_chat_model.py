@@ -101,7 +101,7 @@ def test_cuda_bf16_cache_decode_tracks_fp32(arch, tokenizer):
     with torch.no_grad():
         ref = model(ids)
         gpu = tiny_model(arch, tokenizer, seed=6, std=0.1).to("cuda", torch.bfloat16)
-        cache = KVCache.for_model(gpu.config, n_blocks=16, block_size=8, dtype=torch.bfloat16, device="cuda")
+        cache = KVCache.for_model(gpu.config, n_blocks=64, block_size=8, dtype=torch.bfloat16, device="cuda")
         tables = cache.tables(2, 40)
         out = [gpu(ids[:, :1].cuda(), CacheBatch.build(cache, tables, [0, 0], 1))]
         for t in range(1, 40):

@@ -275,6 +275,25 @@ def test_graph_bookkeeping():
     assert padded_length(1) == 128 and padded_length(129) == 192 and padded_length(70000) == 73728
 
 
+def test_graph_replay_writes_buffers_recorded_in_inference_mode():
+    """Graphs are recorded in inference mode, so their static buffers are inference tensors; a replay called
+    from plain code (the scorer's `decide`) must still fill them. A stand-in graph that copies ids to its output
+    replaces the CUDA graph (recording needs CUDA)."""
+    from core.decision.graphs import PromptGraphs
+
+    with torch.inference_mode():
+        ids, last, out = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4)
+
+    class Copying:
+        def replay(self):
+            out.copy_(ids.float())
+
+    graphs = PromptGraphs.__new__(PromptGraphs)
+    graphs.pad, graphs.graphs = 0, {(2, 4): (Copying(), ids, last, out)}
+    got = graphs.replay((2, 4), [[3, 4], [5]])
+    assert [g.tolist() for g in got] == [[3, 4, 0, 0], [5, 0, 0, 0]] and last.tolist() == [1, 0]
+
+
 def test_kernel_detection_reads_transformers_choice(monkeypatch):
     import sys
     import types

@@ -73,7 +73,10 @@ class PromptGraphs:
     def shape_for(self, prompts: list[list[int]]) -> tuple[int, int] | None:
         return pick_graph([len(p) for p in prompts], self.graphs)
 
+    @torch.inference_mode()
     def replay(self, shape, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """In inference mode, as the static buffers were made: torch refuses to write an inference tensor
+        outside it."""
         graph, static_ids, last, out = self.graphs[shape]
         fill_static(static_ids, last, prompts, self.pad)
         graph.replay()

@@ -151,7 +151,7 @@ def pipeline_seconds(path: str, reqs: list[dict], device: str, dtype) -> float:
 
 
 def random_checkpoint(d: str, hidden: int, layers: int, heads: int) -> str:
-    from core.decision.checkpoint import (hybrid_text_config, new_hybrid_model, save_decision_checkpoint,
+    from core.decision.build import (hybrid_text_config, new_hybrid_model, save_decision_checkpoint,
                                           train_decision_tokenizer)
 
     rng = random.Random(0)

@@ -5,7 +5,7 @@
                                 [--front thread|process] [--torch-threads N] [--device cpu|cuda]
                                 [--prefix-caching on off]
 
-`--front thread` (the default) steps the engine on a thread of this process (AsyncEngine); `--front process`
+`--front thread` (the default) steps the engine on a thread of this process (ThreadEngine); `--front process`
 in a child process (ProcessEngine, what the chat replica uses), so the clients' event loop and the model
 do not share a GIL.
 

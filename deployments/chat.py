@@ -176,7 +176,7 @@ class ChatModel:
         s = self.engine.stats()
         return {"replica": serve.get_replica_context().replica_tag, "running": s.running, "waiting": s.waiting,
                 "rows_used": s.rows_used, "rows_total": s.rows_total, "kv_cache_usage": s.cache_usage,
-                "engine": type(self.engine).__name__, "engine_kind": self.settings.engine.kind,
+                "engine": type(self.engine).__name__, "engine_backend": self.settings.engine.backend,
                 "linear": self.engine.linear, "attention": self.engine.attention, "dtype": self.engine.dtype,
                 "kv_cache": {"blocks_total": s.blocks_total, "blocks_used": s.blocks_used,
                              "blocks_free": s.blocks_total - s.blocks_used, "blocks_cached": s.blocks_cached,

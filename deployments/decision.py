@@ -80,7 +80,7 @@ class DecisionModel:
         # torch_threads None: Ray's OMP_NUM_THREADS (the replica's whole CPUs, at least 1), which the child inherits
         start = ScorerStart(settings.checkpoint, settings.scorer, settings.device, settings.torch_threads)
         self.scorer = start_scorer(start, settings.process)
-        self.name, self.aliases = settings.model_name, list(settings.model_aliases)
+        self.name, self.aliases = settings.name, list(settings.model_aliases)
         self.batch_sizes: collections.Counter[int] = collections.Counter()   # batch size -> how many batches
         self.batch_size_metric = Histogram("decision_batch_size", "Requests per decision batch.",
                                            [1, 2, 4, 8, 16, 32, 64, 128], tag_keys=("model",))

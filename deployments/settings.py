@@ -39,13 +39,14 @@ def checkpoint_time(path: str) -> int:
 
 def _route_into(data: Any, own: set[str], nested: str, record) -> Any:
     """Keys of `data` that are not the settings' own but name a field of `record` (as they are, or after
-    `engine_`) move into the `nested` dict; any other key stays, for pydantic to take or refuse."""
+    `<nested>_`: `engine_backend`, `scorer_backend`) move into the `nested` dict; any other key stays, for
+    pydantic to take or refuse."""
     if not isinstance(data, dict):
         return data
     names = {f.name for f in dataclasses.fields(record)}
     out, inner = {}, {}
     for key, value in data.items():
-        name = key.removeprefix("engine_")
+        name = key.removeprefix(f"{nested}_")
         if key == nested and isinstance(value, dict):
             inner.update(value)
         elif key not in own and name in names:
@@ -74,7 +75,7 @@ class ChatSettings(BaseModel):
     @classmethod
     def _engine_fields(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("engine"), str):   # chat_engine: synthetic (or model)
-            data = {("engine_kind" if k == "engine" else k): v for k, v in data.items()}
+            data = {("engine_backend" if k == "engine" else k): v for k, v in data.items()}
         return _route_into(data, set(cls.model_fields), "engine", EngineConfig)
 
     @property
@@ -102,7 +103,13 @@ class DecisionSettings(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _scorer_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("scorer"), str):   # decision_scorer: synthetic (or model)
+            data = {("scorer_backend" if k == "scorer" else k): v for k, v in data.items()}
         return _route_into(data, set(cls.model_fields), "scorer", DecisionConfig)
+
+    @property
+    def name(self) -> str:
+        return self.model_name
 
 
 class BatchSettings(BaseModel):
@@ -157,7 +164,7 @@ class ServedModel(BaseModel):
 
     @property
     def name(self) -> str:
-        return self.settings.name if self.kind == "chat" else self.settings.model_name
+        return self.settings.name
 
     @property
     def names(self) -> list[str]:
@@ -187,7 +194,7 @@ def _entry(raw: Any, defaults: dict[str, dict]) -> dict:
         if short in own:
             own[field] = own.pop(short)
     settings = KINDS[kind].model_validate(_merged(defaults[kind], own))
-    name = settings.name if kind == "chat" else settings.model_name
+    name = settings.name
     return {"kind": kind, "settings": settings, "deployment_name": name, "deployment": deployment}
 
 

@@ -17,7 +17,7 @@ def decision_corpus(n: int = 800, seed: int = 0) -> list[str]:
 
 def build_checkpoint(path: str, multimodal: bool = False, seed: int = 0, temperature_by_type=None, wide_choice=None,
                      template=None) -> str:
-    from core.decision.checkpoint import (hybrid_text_config, new_hybrid_model, save_decision_checkpoint,
+    from core.decision.build import (hybrid_text_config, new_hybrid_model, save_decision_checkpoint,
                                           train_decision_tokenizer)
 
     tok = train_decision_tokenizer(decision_corpus(), 800)

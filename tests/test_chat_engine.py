@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from core.chat import EngineError, EngineFull, LLMEngine, SamplingParams
-from core.chat.async_engine import AsyncEngine
+from core.chat.async_engine import ThreadEngine
 from tests.conftest import tiny_model
 
 
@@ -151,7 +151,7 @@ def test_generation_runs_to_sequence_len(nanochat_model, tokenizer):
 
 def test_async_engine_streams_and_aborts(nanochat_model, tokenizer):
     engine = LLMEngine(nanochat_model, tokenizer, max_rows=1)
-    aengine = AsyncEngine(engine)
+    aengine = ThreadEngine(engine)
 
     async def main():
         agen = aengine.generate([1, 2, 3], SamplingParams(max_tokens=200, temperature=0.0))

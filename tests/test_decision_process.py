@@ -186,3 +186,55 @@ def test_an_unreadable_record_fails_the_call_instead_of_hanging(ckpt, monkeypatc
     finally:
         monkeypatch.undo()
         scorer.shutdown()
+
+
+# ---- the synthetic scorer (decision_scorer: synthetic)
+
+BAD = [("s", {}), ("s", {"a": {"type": "score", "criteria": ["one"]}, "b": {"type": "guess"}}),
+       ("s", {"a": {"criteria": {}}, "ok": {"type": "noul"}, "c": {"type": "noul", "criteria": {"maybe": "x"}}}),
+       ("s", {"a": {"instructions": "x", "question": "y", "criteria": {"p": "q"}}}), (float("nan"), {"a": {"type": "noul"}}),
+       ("s", {"a": "not an object"})]
+
+
+def test_the_synthetic_scorer_answers_and_refuses_as_the_scorer_does(ckpt, monkeypatch):
+    """Same refusals (every bad key, the same words) and answers of the same shapes as the real scorer's, on the
+    client-shaped requests; a state sent again counts as cached; a batch sleeps its configured time."""
+    from core.decision import synthetic
+    from tests.systemone_requests import REQUESTS, check_answers
+
+    slept = []
+    monkeypatch.setattr(synthetic.time, "sleep", slept.append)
+    real = StartLuxDecision(ckpt, DecisionConfig(max_batch_tokens=512), device="cpu")
+    fake = synthetic.SyntheticScorer(ckpt, DecisionConfig(backend="synthetic", synthetic_question_s=0.5,
+                                                          synthetic_batch_s=0.25))
+    pairs = [(r["state"], r["questions"]) for r in REQUESTS.values()]
+    got = fake.decide_batch(pairs + BAD, with_usage=True, return_exceptions=True)
+    want = real.decide_batch(pairs + BAD, with_usage=True, return_exceptions=True)
+    assert slept == [0.25 + 0.5 * sum(len(q) for _, q in pairs)]
+    for request, (answers, usage), (real_answers, real_usage) in zip(REQUESTS.values(), got, want):
+        check_answers(request, answers)
+        assert {k: sorted(a) for k, a in answers.items()} == {k: sorted(a) for k, a in real_answers.items()}
+        assert usage["input_tokens"] > 0 and set(usage) == set(real_usage)
+    for g, w in zip(got[len(pairs):], want[len(pairs):]):
+        assert isinstance(g, DecisionValidationError) and g.errors == w.errors
+    again = fake.decide_batch([pairs[0]], with_usage=True)[0][1]
+    assert again["input_tokens_details"]["cached_tokens"] > 0 == got[0][1]["input_tokens_details"]["cached_tokens"]
+
+
+def test_settings_select_the_synthetic_scorer_and_its_process_runs_without_torch(ckpt):
+    from deployments.settings import AppArgs
+
+    d = AppArgs.model_validate({"decision_scorer": "synthetic", "decision_synthetic_question_s": 0}).decision
+    assert d.scorer.backend == "synthetic" and d.scorer.synthetic_question_s == 0
+    assert AppArgs.model_validate({}).decision.scorer.backend == "model" and d.name == "startlux-decision"
+    with pytest.raises(ValueError, match="synthetic"):
+        AppArgs.model_validate({"decision_scorer": "fast"})
+    scorer = ProcessScorer(ScorerStart(ckpt, d.scorer, "cpu", 1))
+    try:
+        assert scorer.info["device"] == "synthetic"
+        with open(f"/proc/{scorer.info['pid']}/maps") as f:
+            assert "libtorch" not in f.read()
+        (answers, usage), refused = asyncio.run(scorer.decide_batch([("s", {"a": {"type": "noul"}}), BAD[1]]))
+        assert answers == {"a": {"type": "noul", "noul": 0.5}} and set(refused.errors) == {"a", "b"}
+    finally:
+        scorer.shutdown()

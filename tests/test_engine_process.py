@@ -1,4 +1,4 @@
-"""The engine in a child process (ProcessEngine) against the same engine on a thread (AsyncEngine)."""
+"""The engine in a child process (ProcessEngine) against the same engine on a thread (ThreadEngine)."""
 import asyncio
 import os
 import signal
@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from core.chat import EngineError, EngineFull, LLMEngine, SamplingParams, load_chat_model, save_chat_model
-from core.chat.async_engine import AsyncEngine, EngineClient, StreamHold
+from core.chat.async_engine import ThreadEngine, EngineClient, StreamHold
 from core.chat.engine_process import ProcessEngine, start_engine
 from core.chat.protocol import (EngineConfig, EngineDied, GenerateRequest, SamplingParams as Params, EngineStart, StreamError,
                                 TokenEvent, decode_message)
@@ -65,7 +65,7 @@ async def one_by_one(front):
 def thread_reference(checkpoint, device, how):
     """REQUESTS run `how` (all_at_once or one_by_one) through the engine on a thread of this process."""
     model, tok, _ = load_chat_model(checkpoint, device)
-    threaded = AsyncEngine(LLMEngine(model, tok, max_rows=4))
+    threaded = ThreadEngine(LLMEngine(model, tok, max_rows=4))
     try:
         return run(how(threaded))
     finally:
@@ -256,7 +256,7 @@ def test_chat_deployment_same_stream_with_either_front(checkpoint):
         model = ChatModel.func_or_class(ChatSettings(checkpoint=checkpoint, device="cpu", max_rows=4,
                                                      process=engine_process))
         try:
-            assert type(model.engine).__name__ == ("ProcessEngine" if engine_process else "AsyncEngine")
+            assert type(model.engine).__name__ == ("ProcessEngine" if engine_process else "ThreadEngine")
             got[engine_process] = (per_choice(r for m in run(chat_messages(model, request)) for r in m),
                                    run(chat_messages(model, too_many)))
         finally:

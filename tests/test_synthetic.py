@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from core.chat.async_engine import AsyncEngine
+from core.chat.async_engine import ThreadEngine
 from core.chat.engine_process import ProcessEngine
 from core.chat.protocol import EngineConfig, EngineError, SamplingParams, EngineStart
 from core.chat.synthetic import TEXT, SyntheticEngine
@@ -14,7 +14,7 @@ SEQ = 512
 
 @pytest.fixture
 def synthetic(tokenizer):
-    return SyntheticEngine(tokenizer, SEQ, tokenizer.vocab_size, EngineConfig(kind="synthetic", max_rows=8, synthetic_step_s=0))
+    return SyntheticEngine(tokenizer, SEQ, tokenizer.vocab_size, EngineConfig(backend="synthetic", max_rows=8, synthetic_step_s=0))
 
 
 def drain(engine, limit=10_000):
@@ -116,7 +116,7 @@ def test_steps_are_paced(tokenizer, monkeypatch):
 
     clock = Clock()
     monkeypatch.setattr("core.chat.synthetic.time", clock)
-    engine = SyntheticEngine(tokenizer, SEQ, tokenizer.vocab_size, EngineConfig(kind="synthetic", synthetic_step_s=0.005))
+    engine = SyntheticEngine(tokenizer, SEQ, tokenizer.vocab_size, EngineConfig(backend="synthetic", synthetic_step_s=0.005))
     engine.add_request([1], SamplingParams(max_tokens=20), "p")
     for _ in range(3):
         engine.step()
@@ -130,8 +130,8 @@ def test_steps_are_paced(tokenizer, monkeypatch):
 
 def test_settings_select_the_synthetic_engine():
     chat = AppArgs.model_validate({"chat_engine": "synthetic", "chat_synthetic_step_s": 0.002, "chat_max_rows": 64}).chat
-    assert chat.engine.kind == "synthetic" and chat.engine.synthetic_step_s == 0.002 and chat.engine.max_rows == 64
-    assert AppArgs.model_validate({}).chat.engine.kind == "model"
+    assert chat.engine.backend == "synthetic" and chat.engine.synthetic_step_s == 0.002 and chat.engine.max_rows == 64
+    assert AppArgs.model_validate({}).chat.engine.backend == "model"
     with pytest.raises(ValueError, match="synthetic"):
         AppArgs.model_validate({"chat_engine": "fast"})
 
@@ -139,7 +139,7 @@ def test_settings_select_the_synthetic_engine():
 def test_process_engine_runs_the_synthetic_engine_without_torch(chat_checkpoint):
     """Behind the engine process boundary, as the service runs it: no torch in the engine process, and the
     stream is the same as the engine's own on a thread."""
-    config = EngineConfig(kind="synthetic", max_rows=4, synthetic_step_s=0)
+    config = EngineConfig(backend="synthetic", max_rows=4, synthetic_step_s=0)
     params = SamplingParams(max_tokens=25, seed=5, n=2)
 
     async def collect(client):
@@ -158,7 +158,7 @@ def test_process_engine_runs_the_synthetic_engine_without_torch(chat_checkpoint)
         pe.shutdown()
     from core.chat import load_chat_tokenizer
     tok, cfg = load_chat_tokenizer(chat_checkpoint)
-    local = AsyncEngine(SyntheticEngine(tok, cfg.sequence_len, cfg.vocab_size, config))
+    local = ThreadEngine(SyntheticEngine(tok, cfg.sequence_len, cfg.vocab_size, config))
     try:
         here = asyncio.run(asyncio.wait_for(collect(local), 30))
     finally:

@@ -222,7 +222,7 @@ def decision_phase(model, tok, rng, phase: Phase, batch: int = 32) -> None:
 
 
 def train_decision(out: str, phases=DECISION_PHASES, seed: int = 0) -> None:
-    from core.decision.checkpoint import (hybrid_text_config, new_hybrid_model, save_decision_checkpoint,
+    from core.decision.build import (hybrid_text_config, new_hybrid_model, save_decision_checkpoint,
                                           train_decision_tokenizer)
 
     torch.manual_seed(seed)

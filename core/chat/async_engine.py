@@ -1,7 +1,7 @@
 """Engine clients: callers on an asyncio event loop stream the events of their requests from an `LLMEngine`.
 
 Two clients with one interface (`generate`, `stats`, `alive`, `shutdown`):
-- `AsyncEngine` steps the engine on a worker thread of this process.
+- `ThreadEngine` steps the engine on a worker thread of this process.
 - `ProcessEngine` (engine_process.py) steps it in a child process, so the model's Python never competes with
   the event loop for this process's GIL (what a serving replica uses).
 
@@ -213,7 +213,7 @@ class EngineClient(ABC):
                 self._cancel(rid)
 
 
-class AsyncEngine(EngineClient):
+class ThreadEngine(EngineClient):
     """The engine on a worker thread of this process (tests, benchmarks, notebooks). `on_stats` is called on
     that thread after each step."""
 

@@ -27,7 +27,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from ..child import ChildClient, Failed, Stop, child_main
-from .async_engine import STATS_PERIOD_S, AsyncEngine, EngineClient, StreamHold
+from .async_engine import STATS_PERIOD_S, ThreadEngine, EngineClient, StreamHold
 from .protocol import (Abort, Add, EngineDied, EngineError, EngineFull, EngineReady, EngineStart, EngineStats,
                        Rejected, SamplingError, SamplingParams, Stats, decode_events, encode_events)
 
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 def build_engine(start: EngineStart):
     """The engine `start` describes, built in the calling process (torch threads set, weights loaded), or the
     synthetic engine (synthetic.py: the checkpoint's tokenizer, no model, no torch)."""
-    if start.config.kind == "synthetic":
+    if start.config.backend == "synthetic":
         from .checkpoint import load_chat_tokenizer
         from .synthetic import SyntheticEngine
 
@@ -98,10 +98,10 @@ def set_cpu_policy(policy: str) -> str:
 
 def start_engine(start: EngineStart, on_stats=None, hold: StreamHold | None = None) -> EngineClient:
     """The engine `start` describes, behind its client: in a child process (ProcessEngine) or, with
-    `config.process` off, on a thread of this process (AsyncEngine). `hold`: when the client wakes a stream."""
+    `config.process` off, on a thread of this process (ThreadEngine). `hold`: when the client wakes a stream."""
     if start.config.process:
         return ProcessEngine(start, on_stats=on_stats, hold=hold)
-    return AsyncEngine(build_engine(start), on_stats=on_stats, hold=hold)
+    return ThreadEngine(build_engine(start), on_stats=on_stats, hold=hold)
 
 
 class ProcessEngine(ChildClient, EngineClient):

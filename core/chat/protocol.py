@@ -40,7 +40,7 @@ GREEDY_BELOW = 1e-5             # a temperature below this is greedy, its limit 
                                 # the logits by it would overflow them
 
 CPU_POLICIES = ("normal", "idle")   # for the engine process: see engine_process.set_cpu_policy
-ENGINE_KINDS = ("model", "synthetic")  # the checkpoint's model, or synthetic.py's engine without one (benchmarks)
+BACKENDS = ("model", "synthetic")  # the checkpoint's model, or synthetic.py's engine without one (benchmarks)
 DTYPES = ("auto", "float32", "bfloat16")   # EngineConfig.dtype
 KV_CPU_BYTES = 2 << 30              # the KV cache's default size on a CPU (EngineConfig.kv_cache_memory)
 KV_CUDA_SHARE = 0.85                # on CUDA, the default share of the memory left after the weights
@@ -346,7 +346,7 @@ class EngineConfig:
     process: bool = True            # step the engine in a child process (engine_process.py), not on a thread
     torch_threads: int | None = None   # torch's intra-op threads for the model (None: torch's choice)
     cpu_policy: Literal["normal", "idle"] = "normal"   # "idle": the engine process runs under SCHED_IDLE
-    kind: Literal["model", "synthetic"] = "model"   # "synthetic": synthetic.py's engine, no model (benchmarks and tests)
+    backend: Literal["model", "synthetic"] = "model"   # "synthetic": synthetic.py's engine, no model (benchmarks and tests)
     synthetic_step_s: float = H200_STEP_S          # the synthetic engine's step time (one token per running row)
     packed_linear: bool = True      # on the CPU, linear layers through oneDNN with weights packed once (packed.py)
     # on the CPU, decode reads a prefix that rows hold as copies of one row (prefix-cache hits, n samples) once
@@ -360,8 +360,8 @@ class EngineConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
     def __post_init__(self) -> None:
-        if self.kind not in ENGINE_KINDS:
-            raise ValueError(f"the chat engine is one of {list(ENGINE_KINDS)}, not {self.kind!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"the chat engine is one of {list(BACKENDS)}, not {self.backend!r}")
         if not 0 <= self.synthetic_step_s <= 10:
             raise ValueError(f"synthetic_step_s must be in [0, 10] seconds, got {self.synthetic_step_s}")
         if self.attention_threads is not None and self.attention_threads < 1:

@@ -54,7 +54,7 @@ class SyntheticEngine:
     def __init__(self, tokenizer: ChatTokenizer, sequence_len: int, vocab_size: int,
                  config: EngineConfig | None = None, prefix_ids: list[int] | None = None):
         """`prefix_ids` (the few-shot prefix) is accepted and not used: nothing is computed for a prompt."""
-        config = config or EngineConfig(kind="synthetic")
+        config = config or EngineConfig(backend="synthetic")
         self.config = config
         self.tok, self.sequence_len, self.vocab_size = tokenizer, sequence_len, vocab_size
         self.linear = self.attention = self.dtype = "none"     # no model (LLMEngine's say how a model runs)

@@ -69,16 +69,18 @@ class ScorerDied(RuntimeError):
 
 
 def scorer_info(scorer) -> dict:
-    """What the deployment and its tests read of a scorer, wherever it runs."""
-    import torch
-
+    """What the deployment and its tests read of a scorer, wherever it runs (the synthetic one imports no torch)."""
+    torch = sys.modules.get("torch")
     return {"path": scorer.path, "device": str(scorer.device), "kernels": dict(scorer.kernels),
             "max_length": scorer.max_length, "max_batch_tokens": scorer.max_batch_tokens,
             "graphs": scorer.config.graphs, "prefix_cache_bytes": scorer.prefix_cache.capacity_bytes,
-            "torch_threads": torch.get_num_threads(), "pid": os.getpid()}
+            "torch_threads": torch.get_num_threads() if torch else None, "pid": os.getpid()}
 
 
 def build_scorer(start: ScorerStart):
+    if start.config.backend == "synthetic":
+        from .synthetic import SyntheticScorer
+        return SyntheticScorer(start.checkpoint, start.config)
     import torch
 
     from .scorer import StartLuxDecision

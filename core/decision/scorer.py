@@ -17,7 +17,6 @@ One forward pass at a time (a lock): graphs share static buffers and callers may
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from . import jevfmt as J
-from .config import DecisionConfig
+from .config import CheckpointConfig, DecisionConfig
 from .graphs import PromptGraphs
 from .kernels import linear_attention_kernels
 from .passes import PassCost, plan
@@ -99,26 +98,19 @@ class StartLuxDecision:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"{path}: expected a local StartLux-Decision directory (weights are shared "
                                     f"separately)")
-        cfg_path = os.path.join(path, "decision_config.json")
-        if not os.path.isfile(cfg_path):
-            raise FileNotFoundError(f"{cfg_path}: missing")
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
+        checkpoint = CheckpointConfig.read(path)
         config = dataclasses.replace(config or DecisionConfig(), **settings)
-        self.config, self.path = config, path
-        self.template = J.template_from(cfg)
+        self.config, self.path, self.checkpoint = config, path, checkpoint
+        self.template = J.template_from({"template": checkpoint.template})
         self.tok = AutoTokenizer.from_pretrained(path)
         self.letters = J.letter_token_ids(self.tok, self.template)
-        if self.letters != cfg.get("letter_token_ids"):
-            raise ValueError(f"{cfg_path}: letter_token_ids {cfg.get('letter_token_ids')} differ from the "
-                             f"tokenizer's letter ids {self.letters}")
-        self.temperature = {k: float(v) for k, v in cfg.get("temperature_by_type", {}).items()}
-        wide = cfg.get("wide_choice", {})
-        self.group, self.keep, self.residual = wide.get("group", 25), wide.get("keep", 3), wide.get("residual", 1e-3)
+        if self.letters != checkpoint.letter_token_ids:
+            raise ValueError(f"{path}/decision_config.json: letter_token_ids {checkpoint.letter_token_ids} differ "
+                             f"from the tokenizer's letter ids {self.letters}")
+        wide = checkpoint.wide_choice
+        self.group, self.keep, self.residual = wide.group, wide.keep, wide.residual
         # the most options one prompt shows; a question (or a round's finalists) with more goes through rounds
-        self.max_options = wide.get("max_options", J.MAX_OPTIONS)
-        if not 2 <= self.group <= self.max_options <= J.MAX_OPTIONS or not 1 <= self.keep < self.group:
-            raise ValueError(f"{cfg_path}: wide_choice needs 2 <= group <= max_options <= 26 and 1 <= keep < group")
+        self.max_options = wide.max_options
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         model_config = AutoConfig.from_pretrained(path)
@@ -246,7 +238,7 @@ class StartLuxDecision:
 
     def _probs(self, prompts: list[_Prompt], owners: dict, use_graphs: bool = True) -> list[list[float]]:
         logits = self._letter_logits(prompts, owners, use_graphs) if prompts else []
-        return [torch.softmax(z[:len(p.row.options)] / self.temperature.get(p.row.type, 1.0), -1).tolist()
+        return [torch.softmax(z[:len(p.row.options)] / self.checkpoint.temperature(p.row.type), -1).tolist()
                 for p, z in zip(prompts, logits)]
 
     # ---- requests

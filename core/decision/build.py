@@ -1,4 +1,5 @@
-"""Building StartLux-Decision checkpoint directories: for tests, benchmarks and the demo model.
+"""Building StartLux-Decision checkpoint directories: for tests, benchmarks and the demo model (reading one is
+config.py's `CheckpointConfig.read` and the scorer's).
 
 A checkpoint is a transformers directory (config.json with `architectures`, model.safetensors, tokenizer
 files) plus `decision_config.json`:

@@ -209,8 +209,8 @@ def main():
         scorer.decide(state, one)
         t1 = min(time_loop(scorer, [{"state": state, "questions": one}]) for _ in range(5))
         t8 = min(time_loop(scorer, [{"state": state, "questions": eight}]) for _ in range(5))
-        state_tokens = len(scorer.prepare(state, one).prefix)
-        tokens = sum(len(scorer.prepare(r["state"], r["questions"]).prefix) for r in reqs) / len(reqs)
+        state_tokens = len(scorer.prepare(scorer.parse(state, one)).prefix)
+        tokens = sum(len(scorer.prepare(scorer.parse(r["state"], r["questions"])).prefix) for r in reqs) / len(reqs)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"{platform.machine()} {torch.get_num_threads()} threads"
     model = (f"random qwen3_5 hybrid {args.layers} layers x {args.hidden}, {args.heads} heads" if args.random

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import yaml
 
+from core.decision.config import H200_QUESTION_S
 from bench.decision import cheap_workload, client_workload, count_questions
 from bench.systemone import load
 from bench.path_profile import cpu_table, cpu_ticks, profile_processes, session_pids
@@ -77,8 +78,14 @@ def main() -> None:
                    help="torch thread counts to run offline besides the service's own")
     p.add_argument("--profile", action="store_true", help="CPU per request of every process (first round)")
     p.add_argument("--py-spy", help="py-spy's path: profile the decision path's Python processes (first round)")
+    p.add_argument("--synthetic", action="store_true",
+                   help="the path at GPU rates: the service with the synthetic scorer, no offline side")
+    p.add_argument("--question-s", type=float, nargs="*", default=[H200_QUESTION_S, 0.0],
+                   help="--synthetic: the synthetic scorer's seconds per question, each its own service")
     p.add_argument("--json")
     args = p.parse_args()
+    if args.synthetic:
+        return synthetic_path(args)
     from transformers import AutoTokenizer
 
     overrides = app_overrides(args.set)
@@ -126,6 +133,54 @@ def main() -> None:
                   f"(p50 {s['p50_ms']:.0f} ms); decide_batch offline: {shares}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
+
+
+def synthetic_path(args) -> None:
+    """The decision path at a GPU's rate: for each --question-s, the service with the synthetic scorer, the cheap
+    workload from one client (latency the path adds to a lone request) and from --clients (decisions per second
+    and every process's CPU per request), each round alternating the rates."""
+    overrides = app_overrides(args.set)
+    batch = 16
+    work = Path(tempfile.mkdtemp(prefix="decision-path-"))
+    chat, *_ = build_checkpoints(work)
+    rows = []
+    for r in range(args.rounds):
+        for q in args.question_s:
+            server = start_ours(chat, work, {**overrides, "decision_scorer": "synthetic",
+                                             "decision_synthetic_question_s": q})
+            try:
+                server.wait_ready()
+                asyncio.run(load(server.url, cheap_workload(16, 99), 4))
+                lone = asyncio.run(load(server.url, cheap_workload(200, 500 + r), 1))
+                pids = session_pids(server.proc.pid)
+                reqs = cheap_workload(args.clients * args.cheap_per_client, 1000 + r)
+                before, t0 = cpu_ticks(pids), time.perf_counter()
+                many = asyncio.run(load(server.url, reqs, args.clients))
+                wall = time.perf_counter() - t0
+                print(f"round {r + 1}, {q * 1e6:.0f} us per question: CPU per request, {args.clients} clients")
+                cpu = cpu_table(before, cpu_ticks(pids), wall, len(reqs), "ms / request")
+                if args.py_spy and r == 0:
+                    more = cheap_workload(4000, 3000)      # enough to outlast a profile
+                    profile_processes(args.py_spy, pids, ("Ingress replica", "decision replica"),
+                                      lambda: threading.Thread(target=asyncio.run, daemon=True,
+                                                               args=(load(server.url, more, args.clients),)), 6,
+                                      top=40, gil=True)
+            finally:
+                server.stop()
+            device_qps = 1 / q if q else float("inf")
+            row = {"round": r + 1, "question_s": q, "lone_p50_ms": lone["p50_ms"], "lone_p99_ms": lone["p99_ms"],
+                   "lone_device_ms": 3e3 * q, "qps": many["questions_per_s"], "requests_per_s": len(reqs) / wall,
+                   "p50_ms": many["p50_ms"], "p99_ms": many["p99_ms"], "device_qps_at_batch_16": device_qps,
+                   "cpu_ms_per_request": {k: 1e3 * v / len(reqs) for k, v in cpu.items()}}
+            rows.append(row)
+            print(f"round {r + 1}, {q * 1e6:.0f} us/question: one client p50 {lone['p50_ms']:.2f} ms, p99 "
+                  f"{lone['p99_ms']:.2f} ms (the scorer's own {3e3 * q:.2f} ms); {args.clients} clients "
+                  f"{many['questions_per_s']:.0f} questions/s ({len(reqs) / wall:.0f} requests/s; the device alone "
+                  f"{device_qps:.0f} at any batch), p50 {many['p50_ms']:.1f} ms, p99 {many['p99_ms']:.1f} ms",
+                  flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "batch": batch, "rows": rows},
+                                              indent=2))
 
 
 def decision_checkpoint(app_args: dict) -> str:

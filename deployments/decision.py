@@ -21,9 +21,11 @@ import logging
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from core.decision import DecisionValidationError
-from core.decision.types import Decided, DecisionModelInfo, DecisionRefused
-from core.decision.process import ScorerStart, start_scorer
+import msgspec
+
+from core.decision.process import start_scorer
+from core.decision.protocol import (Decided, DecisionModelInfo, DecisionRefused, DecisionRequest,
+                                    DecisionValidationError, ScorerStart)
 
 from .gauges import kept
 from .settings import BatchSettings, DecisionSettings, checkpoint_time
@@ -96,7 +98,7 @@ class DecisionModel:
         for m in (self.batch_size_metric, self.questions_metric, self.prefix_queries_metric, self.prefix_hits_metric,
                   self.prefix_bytes_metric):
             m.set_default_tags({"model": self.name})   # a fresh dict each: Serve mutates it
-        kept(self.prefix_bytes_metric).set(self.scorer.prefix_stats()["bytes"])   # a series before the first batch
+        kept(self.prefix_bytes_metric).set(self.scorer.prefix_stats().bytes)   # a series before the first batch
         logger.info("decision model loaded (%s, %s)", type(self.scorer).__name__, self.scorer.info)
 
     def reconfigure(self, user_config: dict) -> None:
@@ -106,55 +108,55 @@ class DecisionModel:
         self._batched.set_batch_wait_timeout_s(batch.batch_wait_timeout_s)
 
     def info(self) -> DecisionModelInfo:
-        return DecisionModelInfo(id=self.name, created=checkpoint_time(self.scorer.info["path"]),
-                                 aliases=tuple(self.aliases))
+        return DecisionModelInfo(self.name, checkpoint_time(self.scorer.info.path), tuple(self.aliases),
+                                 self.scorer.info.template)
 
     def stats(self) -> dict:
         return {"batches": sum(self.batch_sizes.values()), "largest_batch": max(self.batch_sizes, default=0),
                 "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
-                "scorer": type(self.scorer).__name__, "prefix_cache": self.scorer.prefix_stats(),
+                "scorer": type(self.scorer).__name__, "prefix_cache": msgspec.to_builtins(self.scorer.prefix_stats()),
                 "memory": self.scorer.memory}
 
     def check_health(self) -> None:
         if not self.scorer.alive():
             raise RuntimeError("the decision process has stopped")
 
-    async def decide(self, request: dict) -> Decided | DecisionRefused:
-        """{"state", "questions"} -> the answers, or why the request is refused."""
+    async def decide(self, request: DecisionRequest) -> Decided | DecisionRefused:
+        """A parsed request (the Ingress's DecisionRequest.check) -> its answers, or why it is refused."""
         return await (await self._batched(request))
 
     @serve.batch(max_batch_size=BATCH.max_batch_size, batch_wait_timeout_s=BATCH.batch_wait_timeout_s)
-    async def _batched(self, requests: list[dict]) -> list[asyncio.Future]:
+    async def _batched(self, requests: list[DecisionRequest]) -> list[asyncio.Future]:
         """Serve's batch, handed on at once (so the next one can form): a future of each request's answer."""
         return self.merger.submit(requests)
 
-    async def _run(self, requests: list[dict]) -> list[Decided | DecisionRefused]:
+    async def _run(self, requests: list[DecisionRequest]) -> list[Decided | DecisionRefused]:
         """One decide_batch over the merged requests."""
         self.batch_sizes[len(requests)] += 1
         self.batch_size_metric.observe(len(requests))
         try:
-            pairs = [(r.get("state"), r.get("questions")) for r in requests]
-            return self._answers(await self.scorer.decide_batch(pairs))
+            return self._answers(await self.scorer.decide_batch(requests))
         finally:
             self._report_prefix_cache()
 
     def _report_prefix_cache(self) -> None:
         stats = self.scorer.prefix_stats()
         for key, metric in (("query_tokens", self.prefix_queries_metric), ("hit_tokens", self.prefix_hits_metric)):
-            if stats[key] > self._reported[key]:
-                metric.inc(stats[key] - self._reported[key])
-                self._reported[key] = stats[key]
-        kept(self.prefix_bytes_metric).set(stats["bytes"])
+            value = getattr(stats, key)
+            if value > self._reported[key]:
+                metric.inc(value - self._reported[key])
+                self._reported[key] = value
+        kept(self.prefix_bytes_metric).set(stats.bytes)
 
     def _answers(self, results: list) -> list[Decided | DecisionRefused]:
         out: list[Decided | DecisionRefused] = []
         for res in results:
             if isinstance(res, DecisionValidationError):
-                out.append(DecisionRefused(errors=res.errors))
+                out.append(DecisionRefused(res.errors))
             else:
                 answers, usage = res
                 self.questions_metric.inc(len(answers))
-                out.append(Decided(model=self.name, answers=answers, usage=usage))
+                out.append(Decided(self.name, answers, usage))
         return out
 
     def __del__(self):

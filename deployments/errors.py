@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.chat.protocol import StreamError
-from core.decision.types import DecisionRefused
+from core.decision.protocol import DecisionRefused
 
 from .openai_shapes import ErrorDetail, ErrorResponse
 

@@ -23,7 +23,7 @@ from ray import serve
 from ray.serve.metrics import Gauge
 
 from core.chat.protocol import ChatModelInfo, GenerateRequest, SamplingError, SamplingParams
-from core.decision.types import DecisionRefused, DecisionRequest
+from core.decision.protocol import DecisionRefused
 
 from . import web
 from .admission import Admission, RefuseWhenFull, Tally
@@ -36,6 +36,7 @@ from .openai_requests import (ChatCompletionRequest, DetokenizeRequest, TextComp
                               unsupported)
 from .openai_shapes import DetokenizeResponse, Health, ModelCard, ModelList, TokenizeResponse
 from .registry import Model, Registry
+from .systemone import DecisionRequest, wire_json
 from .openapi import openapi_schema
 from .responses_api import InputError, ResponsesRequest
 from .responses_stream import ResponseBuilder
@@ -169,18 +170,12 @@ class Ingress:
     @app.post("/v1/systemone")
     async def systemone(self, request: Request):
         req = await self._parse(request, DecisionRequest)
-        if len(req.questions) > self.settings.max_questions:
-            raise APIError(error(f"at most {self.settings.max_questions} questions per request", param="questions"))
         model = self.registry.get("decision", req.model)
-        if req.assets:
-            raise APIError(error("`assets` (images for placeholders) are not supported by this decision model; "
-                                 "send the request without them", param="assets", code="unsupported_parameter"))
-        payload = {"state": req.state,
-                   "questions": {k: q.model_dump(exclude_unset=True) for k, q in req.questions.items()}}
-        result = await self.retry(lambda: model.handle.decide.remote(payload), "decision")
+        parsed = req.check(await model.info(), self.settings)
+        result = await self.retry(lambda: model.handle.decide.remote(parsed), "decision")
         if isinstance(result, DecisionRefused):
             raise APIError.of(result)
-        return {"model": result.model, "answers": result.answers, "usage": result.usage}
+        return wire_json(result.wire())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):

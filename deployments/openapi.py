@@ -10,12 +10,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import TypeAdapter
 
-from core.decision.types import DecisionRequest, DecisionResponse
-
 from .openai_requests import ChatCompletionRequest, DetokenizeRequest, TextCompletionRequest, TokenizeRequest
 from .openai_shapes import (ChatCompletionChunk, ChatCompletionResponse, DetokenizeResponse, ErrorResponse, Health,
                             ModelList, ResponseObject, TextCompletionChunk, TextCompletionResponse, TokenizeResponse)
 from .responses_api import ResponsesRequest
+from .systemone import DecisionRequest, DecisionResponse
 
 # (path, method) -> (request body model or None, response model, the stream's chunk: None when the route does
 # not stream, True for the Responses API's events, whose schema is OpenAI's ResponseStreamEvent)

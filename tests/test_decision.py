@@ -129,7 +129,7 @@ def test_tournament_over_60_options(scorer):
     # the seed's rule: 3 near-equal groups of 20, top 3 of each to the final; the rest share residual mass
     groups = scorer._groups(list(criteria))
     assert [len(g) for g in groups] == [20, 20, 20]
-    first = scorer._probs(scorer.prepare("the cat", {"w": {"question": "which one", "criteria": criteria}}).wide["w"], {})
+    first = scorer._probs(scorer.prepare(scorer.parse("the cat", {"w": {"question": "which one", "criteria": criteria}})).wide["w"], {})
     finalists = {k for g, ps in zip(groups, first) for k, _ in sorted(zip(g, ps), key=lambda x: -x[1])[:3]}
     rest_mass = sum(v for k, v in p.items() if k not in finalists)
     assert rest_mass == pytest.approx(scorer.residual, rel=1e-3)
@@ -340,7 +340,7 @@ def test_cuda_graphs_match_eager(ckpt):
         else pytest.skip("fast kernels not installed")
     assert s.graphs
     qs = {"a": color_q(3), "b": {"type": "noul", "question": "is it red"}}
-    prompts = s.prepare("the cat is red", qs).prompts       # every option's probability, graph against eager
+    prompts = s.prepare(s.parse("the cat is red", qs)).prompts       # every option's probability, graph against eager
     graphed, eager = s._probs(prompts, {}), s._probs(prompts, {}, use_graphs=False)
     assert max(abs(a - b) for pg, pe in zip(graphed, eager) for a, b in zip(pg, pe)) < 2e-2
     graphed, _ = s.decide("the cat is red", qs)

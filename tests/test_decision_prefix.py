@@ -74,7 +74,7 @@ def test_one_and_eight_questions_match_full_prompts(shared, full):
 def test_tails_of_very_different_lengths(shared, full):
     rng = random.Random(1)
     qs = questions(rng, 7, long_tail_every=3)
-    lengths = {len(p.tail) for p in shared.prepare("s", qs).prompts}
+    lengths = {len(p.tail) for p in shared.prepare(shared.parse("s", qs)).prompts}
     assert max(lengths) > 3 * min(lengths)
     state = text(rng, 120)
     assert_same(shared.decide(state, qs)[0], full.decide(state, qs)[0])
@@ -97,7 +97,7 @@ def test_cut_state_is_cut_once_and_matches(ckpt):
     full = StartLuxDecision(ckpt, device="cpu", max_length=160, share_prefix=False)
     state = text(rng, 400) + " FINAL"
     qs = questions(rng, 5, long_tail_every=2)
-    prep = shared.prepare(state, qs)
+    prep = shared.prepare(shared.parse(state, qs))
     assert len({tuple(p.prefix) for p in prep.prompts}) == 1           # one cut for every question
     assert max(len(p.ids) for p in prep.prompts) == 160
     assert shared.tok.decode(prep.prefix).rstrip().endswith("FINAL")
@@ -117,7 +117,7 @@ def test_batch_of_states_of_different_lengths(shared, full):
         assert_same(answers, ref)
         assert usage["input_tokens"] == ref_usage["input_tokens"]
     # the repeated state was computed once: its second request reports it as cached
-    state_tokens = len(shared.prepare(reqs[1][0], reqs[1][1]).prefix)
+    state_tokens = len(shared.prepare(shared.parse(reqs[1][0], reqs[1][1])).prefix)
     assert batched[1][1]["input_tokens_details"]["cached_tokens"] == 0
     assert batched[5][1]["input_tokens_details"]["cached_tokens"] == 2 * state_tokens
 
@@ -129,7 +129,7 @@ def test_prefix_cache_hit_and_miss(shared, full):
     stats = shared.prefix_cache.stats()
     assert u1["input_tokens_details"]["cached_tokens"] == 0 and stats["hit_tokens"] == 0
     again, u2 = shared.decide(state, questions(rng, 3))           # other questions about the same state: a hit
-    prefix = len(shared.prepare(state, qs).prefix)
+    prefix = len(shared.prepare(shared.parse(state, qs)).prefix)
     assert u2["input_tokens_details"]["cached_tokens"] == 3 * prefix
     assert shared.prefix_cache.stats()["hit_tokens"] == prefix
     calls = []
@@ -152,13 +152,13 @@ def test_prefix_cache_stays_within_its_bound_and_evicts_lru(ckpt, full):
     for st in states:
         s.decide(st, qs)
         assert s.prefix_cache.bytes <= s.prefix_cache.capacity_bytes
-    held = [st for st in states if s.prepare(st, qs).prefix in s.prefix_cache]
+    held = [st for st in states if s.prepare(s.parse(st, qs)).prefix in s.prefix_cache]
     assert held == states[-len(held):] and 1 <= len(held) <= 3      # the most recent, in order
     s.decide(states[-len(held)], qs)                    # touch the oldest held one: it becomes the newest
     s.decide(text(rng, 200), qs)                        # a new state evicts the least recently used
-    assert s.prepare(states[-len(held)], qs).prefix in s.prefix_cache
+    assert s.prepare(s.parse(states[-len(held)], qs)).prefix in s.prefix_cache
     evicted = states[0]
-    assert s.prepare(evicted, qs).prefix not in s.prefix_cache
+    assert s.prepare(s.parse(evicted, qs)).prefix not in s.prefix_cache
     got, usage = s.decide(evicted, qs)                  # recomputed after eviction, and right
     assert usage["input_tokens_details"]["cached_tokens"] == 0
     assert_same(got, full.decide(evicted, qs)[0])

@@ -4,9 +4,10 @@ import os
 import signal
 import time
 
+import msgspec
 import pytest
 
-from core.decision import DecisionConfig, DecisionValidationError, StartLuxDecision
+from core.decision import DecisionConfig, DecisionValidationError, StartLuxDecision, jevfmt as J
 from core.decision.process import ProcessScorer, ScorerDied, ScorerStart, ThreadScorer
 from tests.conftest import unreadable_records
 from tests.decision_fixtures import build_checkpoint
@@ -19,6 +20,16 @@ REQUESTS = [
     ("the cat is red", {"bad": {"type": "noul"}, "c": {"question": "which", "criteria": {"x": "1", "y": "2"}}}),
     ("the cat is red", {"c": {"question": "which color is the cat", "criteria": {"r": "red", "b": "blue"}}}),
 ]
+
+
+def parsed(requests: list) -> list:
+    """Wire-format (state, questions) pairs as the Ingress hands them on (the default template's parse)."""
+    return [J.parse_request(state, questions) for state, questions in requests]
+
+
+def builtins(results: list) -> list:
+    """Scorer results as the wire shows them: (answers, usage) as JSON objects, refusals as they are."""
+    return [r if isinstance(r, DecisionValidationError) else tuple(msgspec.to_builtins(r)) for r in results]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +47,7 @@ def child(ckpt):
 def test_child_answers_as_the_scorer_here(ckpt, child):
     here = StartLuxDecision(ckpt, DecisionConfig(max_batch_tokens=512), device="cpu")
     expected = here.decide_batch(REQUESTS, with_usage=True, return_exceptions=True)
-    got = asyncio.run(child.decide_batch(REQUESTS))
+    got = builtins(asyncio.run(child.decide_batch(parsed(REQUESTS))))
     assert len(got) == len(expected)
     for g, e in zip(got, expected):
         if isinstance(e, DecisionValidationError):
@@ -48,16 +59,16 @@ def test_child_answers_as_the_scorer_here(ckpt, child):
             for name, v in ref[k].items():
                 assert answers[k][name] == (pytest.approx(v, abs=1e-5) if isinstance(v, (float, dict)) else v)
     # the repeated state was a prefix-cache hit there as here, and the parent sees the child's counters
-    assert child.prefix_stats() == here.prefix_cache.stats()
-    assert child.info["pid"] == child.pid != os.getpid() and child.info["max_batch_tokens"] == 512
-    assert child.info["torch_threads"] == 1
+    assert msgspec.to_builtins(child.prefix_stats()) == here.prefix_cache.stats()
+    assert child.info.pid == child.pid != os.getpid() and child.info.max_batch_tokens == 512
+    assert child.info.torch_threads == 1
 
 
 def test_overlapping_calls_each_get_their_own_answers(child):
     async def both():
-        return await asyncio.gather(child.decide_batch(REQUESTS[:2]), child.decide_batch(REQUESTS[3:]),
-                                    child.decide_batch(REQUESTS[:1]))
-    a, b, c = asyncio.run(both())
+        return await asyncio.gather(child.decide_batch(parsed(REQUESTS[:2])), child.decide_batch(parsed(REQUESTS[3:])),
+                                    child.decide_batch(parsed(REQUESTS[:1])))
+    a, b, c = (builtins(x) for x in asyncio.run(both()))
     assert [list(x[0]) for x in a] == [["c", "n"], ["s"]] and list(b[0][0]) == ["c"]
     assert c[0][0]["c"]["choice"] == a[0][0]["c"]["choice"]
     assert c[0][0]["n"]["noul"] == pytest.approx(a[0][0]["n"]["noul"], abs=1e-5)
@@ -65,10 +76,11 @@ def test_overlapping_calls_each_get_their_own_answers(child):
 
 def test_thread_scorer_gives_the_same(ckpt, child):
     thread = ThreadScorer(ScorerStart(ckpt, DecisionConfig(max_batch_tokens=512), "cpu", None))
-    got, ref = asyncio.run(thread.decide_batch(REQUESTS[:2])), asyncio.run(child.decide_batch(REQUESTS[:2]))
+    got = builtins(asyncio.run(thread.decide_batch(parsed(REQUESTS[:2]))))
+    ref = builtins(asyncio.run(child.decide_batch(parsed(REQUESTS[:2]))))
     assert [list(a) for a, _ in got] == [list(a) for a, _ in ref]
     assert [u["input_tokens"] for _, u in got] == [u["input_tokens"] for _, u in ref]     # (the child's cache is warm)
-    assert thread.info["pid"] == os.getpid() and thread.alive()
+    assert thread.info.pid == os.getpid() and thread.alive()
 
 
 def test_a_dead_child_fails_its_calls_and_reports_itself(ckpt):
@@ -79,7 +91,7 @@ def test_a_dead_child_fails_its_calls_and_reports_itself(ckpt):
         scorer.proc.wait(timeout=30)
 
         async def call():
-            return await asyncio.wait_for(scorer.decide_batch(REQUESTS[:1]), 30)
+            return await asyncio.wait_for(scorer.decide_batch(parsed(REQUESTS[:1])), 30)
         with pytest.raises(ScorerDied):
             asyncio.run(call())
         assert not scorer.alive()
@@ -162,7 +174,7 @@ def test_the_child_returns_memory_between_batches(ckpt):
     scorer = ProcessScorer(ScorerStart(ckpt, DecisionConfig(max_batch_tokens=512), "cpu", 1, return_memory_s=1e-9))
     try:
         for _ in range(3):        # each Done counts the returns before it: the one after the 2nd shows in the 3rd
-            asyncio.run(scorer.decide_batch(REQUESTS[:1]))
+            asyncio.run(scorer.decide_batch(parsed(REQUESTS[:1])))
             # the child returns memory only when no batch waits (`conn.poll()` after it sent Done): a next batch sent
             # at once races that check on a busy host, so the test leaves the child idle between batches
             time.sleep(0.5)
@@ -175,13 +187,13 @@ def test_the_child_returns_memory_between_batches(ckpt):
 def test_an_unreadable_record_fails_the_call_instead_of_hanging(ckpt, monkeypatch):
     """A record the parent cannot read (a child started from other code than the parent's) ends the reader:
     the waiting call fails with ScorerDied, the scorer reports itself dead, and nothing hangs."""
-    from core.decision import process
+    from core.decision import protocol
 
     scorer = ProcessScorer(ScorerStart(ckpt, DecisionConfig(max_batch_tokens=512), "cpu", 1))
     try:
-        unreadable_records(monkeypatch, process, "Done")
+        unreadable_records(monkeypatch, protocol, "Done")
         with pytest.raises(ScorerDied):
-            asyncio.run(asyncio.wait_for(scorer.decide_batch(REQUESTS[:1]), 120))
+            asyncio.run(asyncio.wait_for(scorer.decide_batch(parsed(REQUESTS[:1])), 120))
         assert not scorer.alive()
     finally:
         monkeypatch.undo()
@@ -231,10 +243,11 @@ def test_settings_select_the_synthetic_scorer_and_its_process_runs_without_torch
         AppArgs.model_validate({"decision_scorer": "fast"})
     scorer = ProcessScorer(ScorerStart(ckpt, d.scorer, "cpu", 1))
     try:
-        assert scorer.info["device"] == "synthetic"
-        with open(f"/proc/{scorer.info['pid']}/maps") as f:
+        assert scorer.info.device == "synthetic"
+        with open(f"/proc/{scorer.info.pid}/maps") as f:
             assert "libtorch" not in f.read()
-        (answers, usage), refused = asyncio.run(scorer.decide_batch([("s", {"a": {"type": "noul"}}), BAD[1]]))
+        (answers, usage), refused = builtins(asyncio.run(scorer.decide_batch(parsed([("s", {"a": {"type": "noul"}}),
+                                                                                      BAD[1]]))))
         assert answers == {"a": {"type": "noul", "noul": 0.5}} and set(refused.errors) == {"a", "b"}
     finally:
         scorer.shutdown()

@@ -98,13 +98,13 @@ def test_decision_values_reach_the_scorer_and_the_batcher(name):
 def _check_decision_model(model, args, deps):
     d = DecisionConfig()
     info = model.scorer.info                         # reported by the scorer's own process
-    assert info["pid"] != os.getpid()
+    assert info.pid != os.getpid()
     if "decision_torch_threads" in args:
-        assert info["torch_threads"] == args["decision_torch_threads"]
-    assert info["max_length"] == expect(args, "decision_max_length", d.max_length)
-    assert info["max_batch_tokens"] == expect(args, "decision_max_batch_tokens", d.max_batch_tokens)
-    assert info["prefix_cache_bytes"] == int(expect(args, "decision_prefix_cache_mb", d.prefix_cache_mb) * 2 ** 20)
-    assert info["graphs"] == expect(args, "decision_graphs", d.graphs)
+        assert info.torch_threads == args["decision_torch_threads"]
+    assert info.max_length == expect(args, "decision_max_length", d.max_length)
+    assert info.max_batch_tokens == expect(args, "decision_max_batch_tokens", d.max_batch_tokens)
+    assert info.prefix_cache_bytes == int(expect(args, "decision_prefix_cache_mb", d.prefix_cache_mb) * 2 ** 20)
+    assert info.graphs == expect(args, "decision_graphs", d.graphs)
     assert model.name == expect(args, "decision_model_name", "startlux-decision")
     assert model.aliases == expect(args, "decision_model_aliases", [])
     user = deps["DecisionModel"].get("user_config", {})

@@ -1,7 +1,8 @@
 """The decision side of core: the StartLux-Decision scorer and its prompt format.
 
-Names are loaded on first use, so that the torch-free modules (`types`, `config`, `jevfmt`) import without
-torch: the Ingress validates requests with `types` and never runs a model.
+Names are loaded on first use, so that the torch-free modules (`protocol`, `config`, `jevfmt`, `synthetic`)
+import without torch: the Ingress parses requests with `jevfmt` into `protocol`'s records and never runs a
+model.
 """
 import importlib
 
@@ -10,7 +11,7 @@ _WHERE = {
     "FormatError": "jevfmt", "MAX_OPTIONS": "jevfmt", "QuestionTooLong": "jevfmt", "check_tokenizer": "jevfmt",
     "from_systemone": "jevfmt", "render_ids": "jevfmt",
     "linear_attention_kernels": "kernels",
-    "DecisionValidationError": "types", "SlowKernelsError": "scorer", "StartLuxDecision": "scorer",
+    "DecisionValidationError": "protocol", "SlowKernelsError": "scorer", "StartLuxDecision": "scorer",
     "padded_length": "scorer",
 }
 __all__ = sorted(_WHERE) + ["jevfmt"]

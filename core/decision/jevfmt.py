@@ -41,7 +41,8 @@ from __future__ import annotations
 import json
 import string
 from dataclasses import dataclass, field
-from typing import Any
+
+from .protocol import DecisionRequest, DecisionValidationError, Invalid, Option, Question
 
 MAX_OPTIONS = 26
 LETTERS = string.ascii_uppercase
@@ -67,13 +68,6 @@ class FormatError(ValueError):
 
 class QuestionTooLong(FormatError):
     """The question block (question and options) does not fit max_length, even with the state cut away."""
-
-
-@dataclass
-class Option:
-    id: str
-    text: str           # as shown in the prompt
-    label: Any = ""     # score levels: the level's description as the client sent it (the answer's legend)
 
 
 @dataclass
@@ -174,16 +168,15 @@ def score_levels(question: dict) -> list:
     return levels
 
 
-def from_systemone(state, question: dict, template: dict | None = None, rendered_state: str | None = None) -> Row:
-    """One wire-format question (and the request's state) -> a Row. Raises FormatError naming the problem and
-    showing what a valid question of its type looks like."""
+def parse_question(question, template: dict | None = None) -> Question:
+    """One wire-format question -> its parsed form (what the prompt shows of it). Raises FormatError naming the
+    problem and showing what a valid question of its type looks like."""
     tpl = template or DEFAULT_TEMPLATE
     if not isinstance(question, dict):
         raise FormatError(f"a question must be an object, such as {EXAMPLES['choice']}")
     t = question_type(question)
     try:
         text = instructions(question)
-        st = rendered_state if rendered_state is not None else render_state(state)
         if t == "noul":
             desc = noul_descriptions(question)
             opts = [Option(k, tpl["noul_option"].format(label=label, text=desc[k]) if desc.get(k) else label)
@@ -195,7 +188,36 @@ def from_systemone(state, question: dict, template: dict | None = None, rendered
             opts = [Option(k, v) for k, v in choice_criteria(question).items()]
     except FormatError as e:
         raise FormatError(f"{e} (a {t} question looks like {EXAMPLES[t]})") from None
-    return Row(t, text, st, opts)
+    return Question(t, text, tuple(opts))
+
+
+def parse_request(state, questions, template: dict | None = None) -> DecisionRequest:
+    """A request's state (rendered once) and each of its questions parsed once; a question that does not parse
+    is kept as `Invalid` (the scorer names it with the others it refuses). DecisionValidationError for a state
+    that cannot be rendered or questions that are not a non-empty object."""
+    if not isinstance(questions, dict) or not questions:
+        raise DecisionValidationError({"questions": "must be a non-empty object of key -> question"})
+    try:
+        state_text = render_state(state)
+    except FormatError as e:
+        raise DecisionValidationError({"state": str(e)}) from None
+    parsed: dict = {}
+    for key, q in questions.items():
+        try:
+            parsed[key] = parse_question(q, template)
+        except FormatError as e:
+            parsed[key] = Invalid(str(e))
+    return DecisionRequest(state_text, parsed)
+
+
+def row_of(question: Question, state: str) -> Row:
+    return Row(question.type, question.instructions, state, list(question.options))
+
+
+def from_systemone(state, question: dict, template: dict | None = None, rendered_state: str | None = None) -> Row:
+    """One wire-format question (and the request's state) -> a Row. Raises FormatError as parse_question."""
+    parsed = parse_question(question, template)
+    return row_of(parsed, rendered_state if rendered_state is not None else render_state(state))
 
 
 @dataclass

@@ -25,56 +25,27 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
-import msgspec
-
 from ..child import ChildClient, Failed, Stop, child_main
 from .memory import MemoryReturn
-from .config import DecisionConfig
+from .protocol import Crashed, Decide, DecisionRequest, Done, PrefixStats, ScorerInfo, ScorerReady, ScorerStart
 
 logger = logging.getLogger(__name__)
-
-
-class ScorerStart(msgspec.Struct, frozen=True):
-    checkpoint: str
-    config: DecisionConfig
-    device: str | None = None
-    torch_threads: int | None = None
-    return_memory_s: float = 30.0   # free memory back to the system at most this often (memory.MemoryReturn)
-
-
-class ScorerReady(msgspec.Struct, frozen=True):
-    info: dict                 # what the deployment reports of its scorer (ScorerInfo's fields)
-    prefix_stats: dict
-
-
-class Decide(msgspec.Struct, frozen=True):
-    call: int
-    requests: list             # [(state, questions), ...]
-
-
-class Done(msgspec.Struct, frozen=True):
-    call: int
-    results: list              # per request: (answers, usage) or its DecisionValidationError
-    prefix_stats: dict
-    memory: dict = {}          # the memory returns so far and the heap the last left (memory.MemoryReturn.report)
-
-
-class Crashed(msgspec.Struct, frozen=True):
-    call: int
-    message: str
 
 
 class ScorerDied(RuntimeError):
     """The decision process is gone; the replica reports itself unhealthy and Serve replaces it."""
 
 
-def scorer_info(scorer) -> dict:
+def scorer_info(scorer) -> ScorerInfo:
     """What the deployment and its tests read of a scorer, wherever it runs (the synthetic one imports no torch)."""
     torch = sys.modules.get("torch")
-    return {"path": scorer.path, "device": str(scorer.device), "kernels": dict(scorer.kernels),
-            "max_length": scorer.max_length, "max_batch_tokens": scorer.max_batch_tokens,
-            "graphs": scorer.config.graphs, "prefix_cache_bytes": scorer.prefix_cache.capacity_bytes,
-            "torch_threads": torch.get_num_threads() if torch else None, "pid": os.getpid()}
+    return ScorerInfo(scorer.path, str(scorer.device), dict(scorer.kernels), scorer.max_length, scorer.max_batch_tokens,
+                      scorer.config.graphs, scorer.prefix_cache.capacity_bytes,
+                      torch.get_num_threads() if torch else None, os.getpid(), dict(scorer.template))
+
+
+def prefix_stats(scorer) -> PrefixStats:
+    return PrefixStats(**scorer.prefix_cache.stats())
 
 
 def build_scorer(start: ScorerStart):
@@ -90,8 +61,8 @@ def build_scorer(start: ScorerStart):
     return StartLuxDecision(start.checkpoint, start.config, device=start.device)
 
 
-def run_batch(scorer, requests: list) -> list:
-    return scorer.decide_batch(requests, with_usage=True, return_exceptions=True)
+def run_batch(scorer, requests: list[DecisionRequest]) -> list:
+    return scorer.decide_requests(requests)
 
 
 class ThreadScorer:
@@ -102,11 +73,11 @@ class ThreadScorer:
         self.info = scorer_info(self.scorer)
         self.memory: dict = {}     # the caller's process: its memory is the caller's business
 
-    async def decide_batch(self, requests: list) -> list:
+    async def decide_batch(self, requests: list[DecisionRequest]) -> list:
         return await asyncio.to_thread(run_batch, self.scorer, requests)
 
-    def prefix_stats(self) -> dict:
-        return self.scorer.prefix_cache.stats()
+    def prefix_stats(self) -> PrefixStats:
+        return prefix_stats(self.scorer)
 
     def alive(self) -> bool:
         return True
@@ -129,8 +100,8 @@ class ProcessScorer(ChildClient):
                           "decision-reader")
         self.info, self._prefix_stats = self.child.ready.info, self.child.ready.prefix_stats
 
-    async def decide_batch(self, requests: list) -> list:
-        """[(state, questions), ...] -> per request (answers, usage) or its DecisionValidationError."""
+    async def decide_batch(self, requests: list[DecisionRequest]) -> list:
+        """Parsed requests -> per request (answers, Usage) or its DecisionValidationError."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         call = next(self._ids)
@@ -172,7 +143,7 @@ class ProcessScorer(ChildClient):
         except RuntimeError:                       # that loop has closed
             pass
 
-    def prefix_stats(self) -> dict:
+    def prefix_stats(self) -> PrefixStats:
         return self._prefix_stats
 
 
@@ -190,7 +161,7 @@ def serve_scorer(conn: Connection) -> None:
     except Exception:
         conn.send(Failed(traceback.format_exc()))
         return
-    conn.send(ScorerReady(scorer_info(scorer), scorer.prefix_cache.stats()))
+    conn.send(ScorerReady(scorer_info(scorer), prefix_stats(scorer)))
     memory = MemoryReturn(start.return_memory_s)
     while True:
         match conn.recv():                 # EOFError when the parent is gone: the process ends
@@ -201,7 +172,7 @@ def serve_scorer(conn: Connection) -> None:
                     logger.exception("decision batch failed")
                     conn.send(Crashed(call, traceback.format_exc(limit=5)))
                     continue
-                conn.send(Done(call, results, scorer.prefix_cache.stats(), memory.report()))
+                conn.send(Done(call, results, prefix_stats(scorer), memory.report()))
                 if not conn.poll():        # between batches, with none waiting
                     memory.maybe()
             case Stop():

@@ -30,18 +30,15 @@ from .graphs import PromptGraphs
 from .kernels import linear_attention_kernels
 from .passes import PassCost, plan
 from .prefix_cache import PrefixCache, PrefixState, batch_cache
-from .types import ChoiceAnswer, DecisionValidationError, InputTokensDetails, NoulAnswer, ScoreAnswer, Usage
+import msgspec
+
+from .protocol import (DecisionRequest, DecisionValidationError, InputTokensDetails, Invalid, NoulAnswer, Question,
+                       ScoreAnswer, Usage, choice_answer)
 
 logger = logging.getLogger(__name__)
 
 PAD_LENGTHS = (128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096,
                5120, 6144, 7168, 8192, 10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768, 40960, 49152, 57344, 65536)
-
-
-def choice_answer(dist: dict[str, float]) -> dict:
-    """A choice question's answer from its distribution over option ids: the most probable one and its mass."""
-    best = max(dist, key=dist.get)
-    return ChoiceAnswer(choice=best, confidence=dist[best], probabilities=dist).model_dump()
 
 
 class SlowKernelsError(RuntimeError):
@@ -76,7 +73,7 @@ class _Prompt:
 
 @dataclass
 class _Prepared:
-    questions: dict
+    questions: dict[str, Question]
     state_text: str
     block: J.StateBlock
     prefix: list[int]        # the request's state block, cut once to fit its longest question
@@ -263,27 +260,25 @@ class StartLuxDecision:
             start = end
         return groups
 
-    def _sub_row(self, state_text: str, spec: dict, keys: list[str]) -> J.Row:
-        crit = spec["criteria"]
-        return J.from_systemone(None, dict(spec, criteria={k: crit[k] for k in keys}), self.template, state_text)
+    def _sub_row(self, state_text: str, question: Question, keys: list[str]) -> J.Row:
+        return J.row_of(question.narrowed(keys), state_text)
 
-    def prepare(self, state, questions, request: int = 0) -> _Prepared:
-        """Validate and render a request. Raises DecisionValidationError naming every bad question; nothing runs.
-        The state is tokenized once and cut once, to leave room for the request's longest question block."""
+    def prepare(self, request: DecisionRequest, index: int = 0) -> _Prepared:
+        """Render a parsed request. Raises DecisionValidationError naming every bad question (those that did not
+        parse and those too long for max_length); nothing runs. The state is tokenized once and cut once, to
+        leave room for the request's longest question block."""
         errors: dict[str, str] = {}
-        if not isinstance(questions, dict) or not questions:
-            raise DecisionValidationError({"questions": "must be a non-empty object of key -> question"})
-        try:
-            state_text = J.render_state(state)
-        except J.FormatError as e:
-            raise DecisionValidationError({"state": str(e)}) from None
+        state_text = request.state
         block = J.StateBlock.of(state_text, self.tok, self.template)
         answers: dict = {}
         plain: list[tuple[str, J.Row, list[int]]] = []
         wide: dict[str, list[tuple[J.Row, list[int]]]] = {}
-        for key, q in questions.items():
+        for key, q in request.questions.items():
+            if isinstance(q, Invalid):
+                errors[str(key)] = q.message
+                continue
             try:
-                row = J.from_systemone(None, q, self.template, state_text)
+                row = J.row_of(q, state_text)
                 if row.type == "choice" and len(row.options) == 1:
                     answers[key] = choice_answer({row.options[0].id: 1.0})
                     continue
@@ -306,21 +301,22 @@ class StartLuxDecision:
             raise DecisionValidationError(errors)
         longest = max([len(t) for _, _, t in plain] + [len(t) for ts in wide.values() for _, t in ts], default=0)
         prefix = block.ids(self.max_length - longest)[0] if (plain or wide) else []
-        prep = _Prepared(questions, state_text, block, prefix, answers, [], {})
-        prep.prompts = [self._prompt(key, row, tail, prep, request) for key, row, tail in plain]
-        prep.wide = {key: [self._prompt(key, row, tail, prep, request) for row, tail in ts] for key, ts in wide.items()}
+        parsed = {k: q for k, q in request.questions.items() if isinstance(q, Question)}
+        prep = _Prepared(parsed, state_text, block, prefix, answers, [], {})
+        prep.prompts = [self._prompt(key, row, tail, prep, index) for key, row, tail in plain]
+        prep.wide = {key: [self._prompt(key, row, tail, prep, index) for row, tail in ts] for key, ts in wide.items()}
         return prep
 
-    def _wide(self, prep: _Prepared, spec: dict, key: str, owners: dict, request: int,
+    def _wide(self, prep: _Prepared, question: Question, key: str, owners: dict, request: int,
               first_prompts: list[_Prompt] | None = None) -> tuple[dict[str, float], int, int]:
         """More than `max_options` options: near-equal groups of at most `group`, the top `keep` of each go to a
         final round (itself a tournament while the finalists are more than `max_options`); the others share
         `residual` of the mass in proportion to their first-round probabilities. Every round's prompts continue
         from the request's shared prefix. -> (probabilities, prompt tokens, cached tokens)."""
-        keys = list(spec["criteria"])
+        keys = [o.id for o in question.options]
         groups = self._groups(keys)
         if first_prompts is None:
-            rows = [self._sub_row(prep.state_text, spec, g) for g in groups]
+            rows = [self._sub_row(prep.state_text, question, g) for g in groups]
             first_prompts = [self._prompt(key, r, self._tail(r), prep, request) for r in rows]
         first = self._probs(first_prompts, owners, use_graphs=False)
         tokens = sum(len(p.ids) for p in first_prompts)
@@ -328,11 +324,10 @@ class StartLuxDecision:
         first_p = {k: p for g, ps in zip(groups, first) for k, p in zip(g, ps)}
         finalists = [k for g, ps in zip(groups, first)
                      for k, _ in sorted(zip(g, ps), key=lambda x: -x[1])[:self.keep]]
-        fin_spec = dict(spec, criteria={k: spec["criteria"][k] for k in finalists})
         if len(finalists) > self.max_options:
-            final_p, more, more_cached = self._wide(prep, fin_spec, key, owners, request)
+            final_p, more, more_cached = self._wide(prep, question.narrowed(finalists), key, owners, request)
         else:
-            row = self._sub_row(prep.state_text, fin_spec, finalists)
+            row = self._sub_row(prep.state_text, question, finalists)
             final = self._prompt(key, row, self._tail(row), prep, request)
             final_p = dict(zip(finalists, self._probs([final], owners, use_graphs=False)[0]))
             more, more_cached = len(final.ids), final.cached
@@ -345,17 +340,17 @@ class StartLuxDecision:
         return {k: probs[k] / z for k in keys}, tokens + more, cached + more_cached
 
     @staticmethod
-    def _answer(row: J.Row, p: list[float]) -> dict:
+    def _answer(row: J.Row, p: list[float]):
         ids = [o.id for o in row.options]
         if row.type == "noul":
-            return NoulAnswer(noul=p[ids.index("true")]).model_dump()
+            return NoulAnswer(p[ids.index("true")])
         if row.type == "score":
-            return ScoreAnswer(score=sum(i * v for i, v in enumerate(p)), confidence=max(p),
-                               legend={str(i): o.label for i, o in enumerate(row.options)},
-                               probabilities={str(i): v for i, v in enumerate(p)}).model_dump()
+            return ScoreAnswer(sum(i * v for i, v in enumerate(p)), max(p),
+                               {str(i): o.label for i, o in enumerate(row.options)},
+                               {str(i): v for i, v in enumerate(p)})
         return choice_answer(dict(zip(ids, p)))
 
-    def _finish(self, prep: _Prepared, probs: list[list[float]], owners: dict) -> tuple[dict, dict]:
+    def _finish(self, prep: _Prepared, probs: list[list[float]], owners: dict) -> tuple[dict, Usage]:
         answers = dict(prep.answers)
         tokens = sum(len(p.ids) for p in prep.prompts)
         cached = sum(p.cached for p in prep.prompts)
@@ -366,38 +361,31 @@ class StartLuxDecision:
             tokens, cached = tokens + n, cached + c
             answers[key] = choice_answer(dist)
         ordered = {k: answers[k] for k in prep.questions}
-        usage = Usage(input_tokens=tokens, input_tokens_details=InputTokensDetails(cached_tokens=cached))
-        return ordered, usage.model_dump()
+        return ordered, Usage(tokens, 0, InputTokensDetails(cached))
 
     # ---- public API
-    def decide(self, state, questions: dict) -> tuple[dict, dict]:
-        """One request -> (answers, usage). On CUDA its questions replay one recorded graph when one fits."""
-        prep = self.prepare(state, questions)
-        owners: dict = {}
-        return self._finish(prep, self._probs(prep.prompts, owners), owners)
+    def parse(self, state, questions) -> DecisionRequest:
+        """A wire-format request parsed with this checkpoint's template (DecisionValidationError for a bad state
+        or an empty `questions`; a bad question is kept as Invalid, for prepare to name with the others)."""
+        return J.parse_request(state, questions, self.template)
 
-    def decide_batch(self, requests: list, with_usage: bool = False, return_exceptions: bool = False) -> list:
-        """[(state, questions), ...] -> [answers, ...] (or [(answers, usage), ...] with `with_usage`). Requests
+    def decide_requests(self, requests: list[DecisionRequest]) -> list:
+        """Parsed requests -> per request (answers, Usage) as records, or its DecisionValidationError. Requests
         that carry the same state share its prefix pass, and the tails of every request share passes as
-        `passes.plan` decides. With `return_exceptions`, a bad request's slot holds its DecisionValidationError and
-        the others are still answered. A batch of one goes through `decide` (on a GPU, its recorded graphs)."""
+        `passes.plan` decides. A batch of one replays a recorded graph on a GPU when one fits."""
+        owners: dict = {}
         if len(requests) == 1:
             try:
-                answers, usage = self.decide(*requests[0])
+                prep = self.prepare(requests[0])
             except DecisionValidationError as e:
-                if not return_exceptions:
-                    raise
                 return [e]
-            return [(answers, usage) if with_usage else answers]
+            return [self._finish(prep, self._probs(prep.prompts, owners), owners)]
         preps: list = []
-        for i, (state, questions) in enumerate(requests):
+        for i, request in enumerate(requests):
             try:
-                preps.append(self.prepare(state, questions, request=i))
+                preps.append(self.prepare(request, i))
             except DecisionValidationError as e:
-                if not return_exceptions:
-                    raise
                 preps.append(e)
-        owners: dict = {}
         flat = [p for prep in preps if isinstance(prep, _Prepared) for p in prep.prompts]
         probs = self._probs(flat, owners, use_graphs=False)
         out, i = [], 0
@@ -405,7 +393,37 @@ class StartLuxDecision:
             if not isinstance(prep, _Prepared):
                 out.append(prep)
                 continue
-            answers, usage = self._finish(prep, probs[i:i + len(prep.prompts)], owners)
+            out.append(self._finish(prep, probs[i:i + len(prep.prompts)], owners))
             i += len(prep.prompts)
+        return out
+
+    def decide(self, state, questions: dict) -> tuple[dict, dict]:
+        """One wire-format request -> (answers, usage) as System One's JSON objects. On CUDA its questions replay
+        one recorded graph when one fits. DecisionValidationError names every bad question."""
+        return self.decide_batch([(state, questions)], with_usage=True)[0]
+
+    def decide_batch(self, requests: list, with_usage: bool = False, return_exceptions: bool = False) -> list:
+        """[(state, questions), ...] in the wire format -> [answers, ...] (or [(answers, usage), ...] with
+        `with_usage`) as System One's JSON objects. With `return_exceptions`, a bad request's slot holds its
+        DecisionValidationError and the others are still answered."""
+        parsed: list = []
+        for state, questions in requests:
+            try:
+                parsed.append(self.parse(state, questions))
+            except DecisionValidationError as e:
+                if not return_exceptions:
+                    raise
+                parsed.append(e)
+        todo = [r for r in parsed if isinstance(r, DecisionRequest)]
+        done = iter(self.decide_requests(todo) if todo else [])
+        out = []
+        for r in parsed:
+            res = next(done) if isinstance(r, DecisionRequest) else r
+            if isinstance(res, DecisionValidationError):
+                if not return_exceptions:
+                    raise res
+                out.append(res)
+                continue
+            answers, usage = msgspec.to_builtins(res)
             out.append((answers, usage) if with_usage else answers)
         return out

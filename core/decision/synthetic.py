@@ -1,8 +1,8 @@
 """A decision scorer without a model, for benchmarks and tests of the serving path: `decision_scorer: synthetic`.
 
 `SyntheticScorer` has the interface the scorer's clients use (`decide_batch` with usage and exceptions, a
-prefix cache's stats, the info fields) and checks every question as the real scorer does (jevfmt's
-`from_systemone`: the same refusals, naming every bad question), but loads no weights and imports no torch.
+prefix cache's stats, the info fields) and refuses the questions the Ingress could not parse as the real scorer does (naming every bad
+question), but loads no weights and imports no torch.
 Each batch takes `synthetic_batch_s + synthetic_question_s x questions` of wall time (time.sleep: the process
 idles, as a scorer process idles while a GPU computes), by default an H200's time per question for the demo
 model (config.H200_QUESTION_S). Answers are uniform over each question's options (a choice answers its first
@@ -18,9 +18,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
+import msgspec
+
 from . import jevfmt as J
 from .config import DecisionConfig
-from .types import DecisionValidationError
+from .protocol import (ChoiceAnswer, DecisionRequest, DecisionValidationError, InputTokensDetails, Invalid, NoulAnswer,
+                       Question, ScoreAnswer, Usage)
 
 REMEMBERED = 4096
 BYTES_PER_TOKEN = 4
@@ -60,60 +63,62 @@ class SyntheticScorer:
         self.device, self.kernels = "synthetic", {}
         self.max_length, self.max_batch_tokens = self.config.max_length, self.config.max_batch_tokens
         self.prefix_cache = _Seen()
+        self.template = J.template_from(None)
 
-    def _one(self, state, questions) -> tuple[dict, dict, int]:
-        if not isinstance(questions, dict) or not questions:
-            raise DecisionValidationError({"questions": "must be a non-empty object of key -> question"})
-        try:
-            state_text = J.render_state(state)
-        except J.FormatError as e:
-            raise DecisionValidationError({"state": str(e)}) from None
-        rows, errors = {}, {}
-        for key, q in questions.items():
-            try:
-                rows[key] = J.from_systemone(None, q, None, state_text)
-            except J.FormatError as e:
-                errors[str(key)] = str(e)
+    def _one(self, request: DecisionRequest) -> tuple[dict, Usage, int]:
+        errors = {str(k): q.message for k, q in request.questions.items() if isinstance(q, Invalid)}
         if errors:
             raise DecisionValidationError(errors)
-        state_tokens = _tokens(state_text)
-        cached = state_tokens if state_text and self.prefix_cache.hit(state_text, state_tokens) else 0
+        state_tokens = _tokens(request.state)
+        cached = state_tokens if request.state and self.prefix_cache.hit(request.state, state_tokens) else 0
         answers, tokens = {}, 0
-        for key, row in rows.items():
-            tokens += state_tokens + sum(_tokens(o.text) for o in row.options) + _tokens(row.question) + 4
-            answers[key] = uniform_answer(row)
-        usage = {"input_tokens": tokens, "output_tokens": 0,
-                 "input_tokens_details": {"cached_tokens": cached * len(rows)}}
-        return answers, usage, len(rows)
+        for key, q in request.questions.items():
+            tokens += state_tokens + sum(_tokens(o.text) for o in q.options) + _tokens(q.instructions) + 4
+            answers[key] = uniform_answer(q)
+        return answers, Usage(tokens, 0, InputTokensDetails(cached * len(answers))), len(answers)
 
-    def decide_batch(self, requests: list, with_usage: bool = False, return_exceptions: bool = False) -> list:
+    def decide_requests(self, requests: list[DecisionRequest]) -> list:
         out, questions = [], 0
-        for state, qs in requests:
+        for request in requests:
             try:
-                answers, usage, n = self._one(state, qs)
+                answers, usage, n = self._one(request)
             except DecisionValidationError as e:
-                if not return_exceptions:
-                    raise
                 out.append(e)
                 continue
             questions += n
-            out.append((answers, usage) if with_usage else answers)
+            out.append((answers, usage))
         time.sleep(self.config.synthetic_batch_s + self.config.synthetic_question_s * questions)
         return out
 
-    def decide(self, state, questions: dict) -> tuple[dict, dict]:
-        return self.decide_batch([(state, questions)], with_usage=True)[0]
+    def decide_batch(self, requests: list, with_usage: bool = False, return_exceptions: bool = False) -> list:
+        """The scorer's wire-format entry (tests): (state, questions) pairs -> JSON objects or refusals."""
+        parsed = []
+        for state, questions in requests:
+            try:
+                parsed.append(J.parse_request(state, questions, self.template))
+            except DecisionValidationError as e:
+                parsed.append(e)
+        done = iter(self.decide_requests([r for r in parsed if isinstance(r, DecisionRequest)]))
+        out = []
+        for r in parsed:
+            res = next(done) if isinstance(r, DecisionRequest) else r
+            if isinstance(res, DecisionValidationError):
+                if not return_exceptions:
+                    raise res
+                out.append(res)
+            else:
+                answers, usage = msgspec.to_builtins(res)
+                out.append((answers, usage) if with_usage else answers)
+        return out
 
 
-def uniform_answer(row: J.Row) -> dict:
-    """The answer of a model that cannot tell the options apart, in the real scorer's shapes."""
-    n = len(row.options)
+def uniform_answer(q: Question):
+    """The answer of a model that cannot tell the options apart, in the real scorer's records."""
+    n = len(q.options)
     p = 1.0 / n
-    if row.type == "noul":
-        return {"type": "noul", "noul": 0.5}
-    if row.type == "score":
-        return {"type": "score", "score": (n - 1) / 2, "confidence": p,
-                "legend": {str(i): o.label for i, o in enumerate(row.options)},
-                "probabilities": {str(i): p for i in range(n)}}
-    return {"type": "choice", "choice": row.options[0].id, "confidence": p,
-            "probabilities": {o.id: p for o in row.options}}
+    if q.type == "noul":
+        return NoulAnswer(0.5)
+    if q.type == "score":
+        return ScoreAnswer((n - 1) / 2, p, {str(i): o.label for i, o in enumerate(q.options)},
+                           {str(i): p for i in range(n)})
+    return ChoiceAnswer(q.options[0].id, p, {o.id: p for o in q.options})

@@ -1,13 +1,24 @@
-"""Typed request and answer shapes of `/v1/systemone`, shared by the scorer's callers and the HTTP layer.
+"""System One's HTTP shapes (`/v1/systemone`): the request body the Ingress validates and the answers it
+publishes in its OpenAPI schema, beside chat's (openai_requests.py, openai_shapes.py).
 
-The scorer itself takes and returns plain dicts in these shapes (the seed's API); these pydantic models
-document them and validate at the HTTP boundary.
+`DecisionRequest.check(info, limits)` applies the Ingress's limits and parses the body once, with the model's
+prompt template, into core.decision.protocol's `DecisionRequest`: the record the decision deployment and its
+scorer take. The answers travel as protocol's records; these pydantic twins only describe them in the schema.
 """
 from __future__ import annotations
 
+import json
+
 from typing import Annotated, Any, Literal, Union
 
+from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field
+
+from core.decision import jevfmt, protocol
+from core.decision.protocol import DecisionModelInfo, DecisionRefused, DecisionValidationError
+
+from .errors import APIError, error
+from .settings import IngressSettings
 
 
 class Question(BaseModel):
@@ -28,6 +39,21 @@ class DecisionRequest(BaseModel):
     state: Any = None
     questions: dict[str, Question] = Field(min_length=1)
     assets: Any = None                # images for placeholders: not supported by this scorer (a 400 says so)
+
+    def check(self, info: DecisionModelInfo, limits: IngressSettings) -> protocol.DecisionRequest:
+        """The Ingress's limits (an APIError naming the field), then the body parsed once with the model's
+        template. A question that does not parse travels as `Invalid`: the scorer refuses it together with any
+        too long for the model, in one answer naming every bad key."""
+        if len(self.questions) > limits.max_questions:
+            raise APIError(error(f"at most {limits.max_questions} questions per request", param="questions"))
+        if self.assets:
+            raise APIError(error("`assets` (images for placeholders) are not supported by this decision model; "
+                                 "send the request without them", param="assets", code="unsupported_parameter"))
+        questions = {k: q.model_dump(exclude_unset=True) for k, q in self.questions.items()}
+        try:
+            return jevfmt.parse_request(self.state, questions, info.template)
+        except DecisionValidationError as e:
+            raise APIError.of(DecisionRefused(e.errors)) from None
 
 
 class ChoiceAnswer(BaseModel):
@@ -69,45 +95,10 @@ class DecisionResponse(BaseModel):
     usage: Usage
 
 
-class DecisionModelInfo(BaseModel):
-    """What the Ingress knows of the decision model it serves (DecisionModel.info, asked once)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    id: str
-    created: int                      # the checkpoint's time (its config file's modification time)
-    aliases: tuple[str, ...] = ()     # other names a request may give in `model` (the Ingress's registry routes)
 
 
-class Decided(BaseModel):
-    """A decision request answered, as the decision deployment returns it to the Ingress."""
-
-    model_config = ConfigDict(frozen=True)
-
-    model: str
-    answers: dict                     # by question name, in the request's order
-    usage: dict
-
-
-class DecisionRefused(BaseModel):
-    """A decision request refused for its questions or state: every bad key and why (the Ingress's 400)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    errors: dict[str, str]
-
-    @property
-    def message(self) -> str:
-        keys = ", ".join(f"{k!r}" for k in self.errors)
-        return f"invalid questions ({keys}): " + "; ".join(f"{k}: {v}" for k, v in self.errors.items())
-
-
-class DecisionValidationError(ValueError):
-    """A request with bad questions; `errors` maps every bad question key (or "state"/"questions") to why."""
-
-    def __init__(self, errors: dict[str, str]):
-        self.errors = dict(errors)
-        super().__init__("; ".join(f"{k}: {v}" for k, v in self.errors.items()))
-
-    def __reduce__(self):          # rebuilt from its errors (it crosses from the decision process)
-        return (DecisionValidationError, (self.errors,))
+def wire_json(body: dict) -> Response:
+    """A JSON answer written as FastAPI would write the same dict (Starlette's JSONResponse: the json module,
+    compact, UTF-8, no NaN), without FastAPI's walk over it (jsonable_encoder): the bytes clients got before."""
+    return Response(json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(),
+                    media_type="application/json")

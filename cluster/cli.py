@@ -2,6 +2,7 @@
 
     startlux serve [CONFIG] [--chat-checkpoint DIR] [serve run's options]
     startlux chat [--url URL] [--api-key KEY] [--system TEXT] [--max-tokens N] [--temperature T] [--once TEXT]
+    startlux decide INPUT OUTPUT [CONFIG] [--actors N] [--batch-size N] [--address ADDR]
 
 starts the service as `serve run CONFIG` does (CONFIG: serve_config.cpu.yaml in the current directory, else
 the one beside this package's source), with the Ray settings the quick start needs as defaults. Each is set
@@ -16,6 +17,9 @@ Production runs `serve run serve_config.yaml` (or `serve deploy`) with these var
 as it is generated, and the conversation (with the calculator parts of each reply) goes back with the next
 turn; an empty line or end of input ends it. `--once TEXT` asks one question and exits (0, or 1 on an error).
 It speaks the service's public /v1/chat/completions, so it works against any replica or proxy of it.
+
+`startlux decide` answers a file of System One requests offline on Ray Data, as the service would answer each
+(cluster/decide.py, docs/deployment.md).
 """
 from __future__ import annotations
 
@@ -165,7 +169,18 @@ def main(args: list[str] | None = None) -> None:
     c.add_argument("--max-tokens", type=int)
     c.add_argument("--temperature", type=float)
     c.add_argument("--once", metavar="TEXT", help="ask this one question, print the reply and exit")
+    d = sub.add_parser("decide", help="System One decisions over a dataset (JSON Lines or Parquet) on Ray Data")
+    d.add_argument("input", help="JSON Lines (one request body a line) or Parquet")
+    d.add_argument("output", help="the answers in input order: JSON Lines, or Parquet when it ends in .parquet")
+    d.add_argument("config", nargs="?", help="a Serve config whose decision model and limits apply "
+                                             "(default: serve_config.cpu.yaml)")
+    d.add_argument("--actors", type=int, help="scorer actors (default: one per GPU, else per CPUs it takes)")
+    d.add_argument("--batch-size", type=int, help="requests per batch (default: the deployment's, 16)")
+    d.add_argument("--address", help="a Ray cluster to run on (default: $RAY_ADDRESS, else a local instance)")
     known, extra = p.parse_known_args(args)
+    if known.command == "decide" and not extra:
+        from cluster.decide import main as decide_main
+        sys.exit(decide_main(known))
     if known.command == "serve":
         serve(known.config, extra, known.chat_checkpoint)
     elif extra:

@@ -11,7 +11,9 @@ from itertools import accumulate
 
 from starlette.requests import Request
 
-from .errors import APIError, error
+from pydantic import ValidationError
+
+from .errors import APIError, error, validation_message
 
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _SQUARE = bytes.maketrans(b"{}", b"[]")
@@ -26,17 +28,26 @@ def nesting(body: bytes) -> int:
     return max(accumulate(map(_STEP.__getitem__, brackets)), default=0)
 
 
+def too_large(max_bytes: int) -> APIError:
+    return APIError(error(f"request body over {max_bytes} bytes", code="body_too_large"))
+
+
 async def read_json(request: Request, max_bytes: int, max_depth: int) -> dict:
-    too_large = APIError(error(f"request body over {max_bytes} bytes", code="body_too_large"))
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > max_bytes:
-        raise too_large
+        raise too_large(max_bytes)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > max_bytes:
-            raise too_large
-    body = bytes(body)
+            raise too_large(max_bytes)
+    return parse_json(bytes(body), max_bytes, max_depth)
+
+
+def parse_json(body: bytes, max_bytes: int, max_depth: int) -> dict:
+    """A request body (read whole) as a JSON object, or the APIError the service answers it with."""
+    if len(body) > max_bytes:
+        raise too_large(max_bytes)
     if body.count(b"[") + body.count(b"{") > max_depth and nesting(body) > max_depth:
         raise APIError(error(f"the JSON body nests deeper than max_json_depth ({max_depth} levels)",
                              code="json_too_deep"))
@@ -47,3 +58,12 @@ async def read_json(request: Request, max_bytes: int, max_depth: int) -> dict:
     if not isinstance(data, dict):
         raise APIError(error("the request body must be a JSON object"))
     return data
+
+
+def validated(schema, data: dict):
+    """`data` as the pydantic `schema`, or an APIError naming the first bad fields."""
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        msg, param = validation_message(e)
+        raise APIError(error(msg, param=param)) from None

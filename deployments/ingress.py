@@ -18,7 +18,6 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from ray import serve
 from ray.serve.metrics import Gauge
 
@@ -27,9 +26,9 @@ from core.decision.protocol import DecisionRefused
 
 from . import web
 from .admission import Admission, RefuseWhenFull, Tally
-from .bodies import read_json
+from .bodies import read_json, validated
 from .completion import Completion, TextCompletion
-from .errors import RETRY_AFTER_S, APIError, error, install_handlers, validation_message
+from .errors import RETRY_AFTER_S, APIError, error, install_handlers
 from .gauges import kept
 from .generation import respond
 from .openai_requests import (ChatCompletionRequest, DetokenizeRequest, TextCompletionRequest, TokenizeRequest,
@@ -114,11 +113,7 @@ class Ingress:
             name, what = bad
             raise APIError(error(f"`{name}` is not supported by this service ({what}); send the request without it",
                                  param=name, code="unsupported_parameter"))
-        try:
-            return schema.model_validate(data)
-        except ValidationError as e:
-            msg, param = validation_message(e)
-            raise APIError(error(msg, param=param)) from None
+        return validated(schema, data)
 
     # ---- routes
     @app.get("/healthz")

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import yaml
 from hypothesis import HealthCheck, given, settings
 import pytest
 import torch
@@ -39,6 +40,7 @@ def service(serve_url, tmp_path_factory, tokenizer):
     save_chat_model(str(root / "chat"), model, tokenizer)
     CHECKPOINTS["chat"] = str(root / "chat")
     build_checkpoint(str(root / "decision"))
+    CHECKPOINTS["decision"] = str(root / "decision")
     small = {"ray_actor_options": {"num_cpus": 0.1}}
     options = {"ChatModel": dict(small, max_ongoing_requests=64, max_queued_requests=64),
                "DecisionModel": dict(small, max_ongoing_requests=16, max_queued_requests=64,
@@ -226,6 +228,104 @@ def test_repeated_state_is_served_from_the_prefix_cache(service):
     assert again["answers"] == first["answers"]
     cache = httpx.get(f"{service}/debug/stats").json()["decision"]["prefix_cache"]
     assert cache["hit_tokens"] > 0 and 0 < cache["bytes"] <= cache["capacity_bytes"]
+
+
+def decide_job_config(tmp_path, **args) -> str:
+    """A Serve config for `startlux decide` with the service's decision model and its limits (the fixture's)."""
+    app = {"decision_checkpoint": CHECKPOINTS["decision"], "device": "cpu", "decision_model_aliases": ["jev-latest"],
+           "max_body_bytes": 20_000, "decision_torch_threads": 1, **args}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"applications": [{"args": app}]}))
+    return str(path)
+
+
+def test_a_decide_job_answers_as_the_service_does(service, tmp_path):
+    """`startlux decide` over a few hundred rows (JSON Lines in, and the same as Parquet) on the Ray instance the
+    service runs on: every row in input order, answered (within float noise: other batches) or refused with the
+    very body the service answers it with."""
+    from bench.decision import cheap_workload
+    from cluster.decide import run
+
+    rows = [json.dumps(r) for r in cheap_workload(200, 7)] + [json.dumps(r) for r in REQUESTS.values()] + [
+        '{"state": "s", "questions": {"q": {"type": "vote"}, "ok": {"type": "noul"}}}', "[1, 2", "[]",
+        '{"model": "gpt-9", "state": "s", "questions": {"a": {"type": "noul"}}}', '{"questions": {}}',
+        json.dumps({"model": "jev-latest", "state": "x" * 30_000, "questions": {"a": {"type": "noul"}}}),
+        json.dumps({"state": "s", "questions": {"a": {"type": "noul"}}, "assets": ["img"]})]
+    (tmp_path / "in.jsonl").write_text("\n".join(rows) + "\n\n")       # a blank line is no request
+    config = decide_job_config(tmp_path)
+    summary = run(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), config, actors=2, batch_size=16, quiet=True)
+    got = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+
+    async def ask():
+        async with httpx.AsyncClient(timeout=120) as client:
+            sem = asyncio.Semaphore(16)
+
+            async def one(body):
+                async with sem:
+                    r = await client.post(f"{service}/v1/systemone", content=body,
+                                          headers={"content-type": "application/json"})
+                    return r.status_code, r.json()
+            return await asyncio.gather(*(one(b) for b in rows))
+    want = asyncio.run(ask())
+    assert len(got) == len(rows) == summary["rows"] and summary["refused"] == sum(s != 200 for s, _ in want) == 7
+    for i, (g, (status, w)) in enumerate(zip(got, want)):
+        if status != 200:
+            assert g == w, i
+            continue
+        assert g["model"] == w["model"] and list(g["answers"]) == list(w["answers"]), i
+        assert g["usage"]["input_tokens"] == w["usage"]["input_tokens"], i
+        for k, a in g["answers"].items():
+            b = w["answers"][k]
+            assert a["type"] == b["type"] and set(a) == set(b), (i, k)
+            for field in ("noul", "score", "confidence"):
+                if field in a:
+                    assert a[field] == pytest.approx(b[field], abs=1e-4), (i, k, field)
+            if "probabilities" in a:
+                assert a["probabilities"] == pytest.approx(b["probabilities"], abs=1e-4), (i, k)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"request": rows}), tmp_path / "in.parquet")
+    run(str(tmp_path / "in.parquet"), str(tmp_path / "out.parquet"), config, actors=1, quiet=True)
+    table = pq.read_table(tmp_path / "out.parquet").to_pydict()
+    assert table["status"] == [s for s, _ in want]
+    assert [json.loads(r) for r, (s, _) in zip(table["response"], want) if s != 200] == \
+        [g for g, (s, _) in zip(got, want) if s != 200]
+
+
+def test_a_decide_job_survives_an_actor_killed_mid_job(serve_url, tmp_path):
+    """An actor of the job's pool killed mid-job (by its pid): Ray Data restarts it and runs its batch again, and
+    every row is answered exactly once, in input order (each row's choice names the row). The synthetic scorer
+    makes each batch last."""
+    import signal
+    import threading
+
+    from ray._private import state
+
+    from cluster.decide import run
+
+    n = 300
+    rows = [json.dumps({"state": f"row {i}", "questions": {"which": {"criteria": {f"r{i}": "this", "z": "that"}}}})
+            for i in range(n)]
+    (tmp_path / "in.jsonl").write_text("\n".join(rows) + "\n")
+    config = decide_job_config(tmp_path, decision_scorer="synthetic", decision_synthetic_question_s=0.03)
+    done: dict = {}
+    job = threading.Thread(target=lambda: done.update(run(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"),
+                                                         config, actors=2, batch_size=6, quiet=True)))
+    job.start()
+
+    def pool() -> list[int]:
+        return [a["Pid"] for a in state.actors().values()
+                if "DecideBatch" in a["ActorClassName"] and a["State"] == "ALIVE" and a.get("Pid")]
+    pids = wait_until(lambda: len(pool()) == 2 and pool(), 120, lambda: f"actors: {state.actors()}")
+    time.sleep(1.5)                                   # batches under way
+    assert job.is_alive(), "the job ended before an actor could be killed"
+    os.kill(pids[0], signal.SIGKILL)
+    job.join(300)
+    assert not job.is_alive() and done["rows"] == n and done["refused"] == 0
+    got = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [g["answers"]["which"]["choice"] for g in got] == [f"r{i}" for i in range(n)]
+    assert pids[0] not in pool()
 
 
 @pytest.mark.parametrize("name", sorted(REQUESTS))

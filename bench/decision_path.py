@@ -135,6 +135,23 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
 
 
+async def refused_load(url: str, n: int, clients: int) -> float:
+    """`n` bodies the Ingress refuses before any model call (`[]`: not a JSON object), from `clients` closed-loop
+    clients: the HTTP path alone (HAProxy, Serve's ingress, the route's parse and error answer). Seconds."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        async def worker(k):
+            for _ in range(k):
+                r = await client.post(f"{url}/v1/systemone", content=b"[]",
+                                      headers={"content-type": "application/json"})
+                assert r.status_code == 400, r.text
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(n // clients) for _ in range(clients)))
+        return time.perf_counter() - t0
+
+
 def synthetic_path(args) -> None:
     """The decision path at a GPU's rate: for each --question-s, the service with the synthetic scorer, the cheap
     workload from one client (latency the path adds to a lone request) and from --clients (decisions per second
@@ -159,6 +176,12 @@ def synthetic_path(args) -> None:
                 wall = time.perf_counter() - t0
                 print(f"round {r + 1}, {q * 1e6:.0f} us per question: CPU per request, {args.clients} clients")
                 cpu = cpu_table(before, cpu_ticks(pids), wall, len(reqs), "ms / request")
+                n = args.clients * args.cheap_per_client
+                before, t0 = cpu_ticks(pids), time.perf_counter()
+                floor_s = asyncio.run(refused_load(server.url, n, args.clients))
+                print(f"round {r + 1}: the HTTP path alone (refused bodies, no model call): {n / floor_s:.0f} "
+                      f"requests/s; CPU per request")
+                floor = cpu_table(before, cpu_ticks(pids), time.perf_counter() - t0, n, "ms / request")
                 if args.py_spy and r == 0:
                     more = cheap_workload(4000, 3000)      # enough to outlast a profile
                     profile_processes(args.py_spy, pids, ("Ingress replica", "decision replica"),
@@ -171,7 +194,8 @@ def synthetic_path(args) -> None:
             row = {"round": r + 1, "question_s": q, "lone_p50_ms": lone["p50_ms"], "lone_p99_ms": lone["p99_ms"],
                    "lone_device_ms": 3e3 * q, "qps": many["questions_per_s"], "requests_per_s": len(reqs) / wall,
                    "p50_ms": many["p50_ms"], "p99_ms": many["p99_ms"], "device_qps_at_batch_16": device_qps,
-                   "cpu_ms_per_request": {k: 1e3 * v / len(reqs) for k, v in cpu.items()}}
+                   "cpu_ms_per_request": {k: 1e3 * v / len(reqs) for k, v in cpu.items()},
+                   "refused_per_s": n / floor_s, "refused_cpu_ms_per_request": {k: 1e3 * v / n for k, v in floor.items()}}
             rows.append(row)
             print(f"round {r + 1}, {q * 1e6:.0f} us/question: one client p50 {lone['p50_ms']:.2f} ms, p99 "
                   f"{lone['p99_ms']:.2f} ms (the scorer's own {3e3 * q:.2f} ms); {args.clients} clients "

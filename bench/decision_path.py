@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,7 @@ import yaml
 
 from core.decision.config import H200_QUESTION_S
 from bench.decision import cheap_workload, client_workload, count_questions
-from bench.systemone import load
+from bench.sse import closed_loop as raw_load
 from bench.path_profile import cpu_table, cpu_ticks, profile_processes, session_pids
 from bench.vllm_peer import ROOT, app_overrides, build_checkpoints, start_ours
 
@@ -82,6 +83,9 @@ def main() -> None:
                    help="the path at GPU rates: the service with the synthetic scorer, no offline side")
     p.add_argument("--question-s", type=float, nargs="*", default=[H200_QUESTION_S, 0.0],
                    help="--synthetic: the synthetic scorer's seconds per question, each its own service")
+    p.add_argument("--deployment", action="append", default=[], metavar="NAME=JSON",
+                   help="--synthetic: options of a deployment over the config's, e.g. "
+                        "'DecisionModel={\"logging_config\": {\"enable_access_log\": false}}'")
     p.add_argument("--json")
     args = p.parse_args()
     if args.synthetic:
@@ -104,11 +108,12 @@ def main() -> None:
         try:
             server.wait_ready()
             warm = cheap_workload(8, 99)
-            asyncio.run(load(server.url, warm, 4))
-            pids = session_pids(server.proc.pid)
+            asyncio.run(raw_load(server.url, warm, 4))
+            pids = session_pids(server.proc.pid) + [os.getpid()]     # the load generator's own CPU too
             for name, reqs in workloads.items():
                 before, t0 = cpu_ticks(pids), time.perf_counter()
-                service[name] = asyncio.run(load(server.url, reqs, args.clients))
+                service[name] = asyncio.run(raw_load(server.url, reqs, args.clients))
+                service[name]["questions_per_s"] = count_questions(reqs) / service[name]["seconds"]
                 if r == 0 and (args.profile or args.py_spy):
                     print(f"round 1 {name}: CPU per request")
                     rows.append({"round": 1, "workload": name, "cpu_s": cpu_table(
@@ -117,7 +122,7 @@ def main() -> None:
                 more = cheap_workload(args.clients * args.cheap_per_client, 3000)
                 profile_processes(args.py_spy, pids, ("Ingress replica", "decision replica", "decision process"),
                                   lambda: threading.Thread(target=asyncio.run, daemon=True,
-                                                           args=(load(server.url, more, args.clients),)), 5)
+                                                           args=(raw_load(server.url, more, args.clients),)), 5)
         finally:
             server.stop()
         own = app_args.get("decision_torch_threads")
@@ -135,23 +140,6 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
 
 
-async def refused_load(url: str, n: int, clients: int) -> float:
-    """`n` bodies the Ingress refuses before any model call (`[]`: not a JSON object), from `clients` closed-loop
-    clients: the HTTP path alone (HAProxy, Serve's ingress, the route's parse and error answer). Seconds."""
-    import httpx
-
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-        async def worker(k):
-            for _ in range(k):
-                r = await client.post(f"{url}/v1/systemone", content=b"[]",
-                                      headers={"content-type": "application/json"})
-                assert r.status_code == 400, r.text
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(n // clients) for _ in range(clients)))
-        return time.perf_counter() - t0
-
-
 def synthetic_path(args) -> None:
     """The decision path at a GPU's rate: for each --question-s, the service with the synthetic scorer, the cheap
     workload from one client (latency the path adds to a lone request) and from --clients (decisions per second
@@ -163,22 +151,24 @@ def synthetic_path(args) -> None:
     rows = []
     for r in range(args.rounds):
         for q in args.question_s:
+            options = {name: json.loads(value) for name, value in (d.split("=", 1) for d in args.deployment)}
             server = start_ours(chat, work, {**overrides, "decision_scorer": "synthetic",
-                                             "decision_synthetic_question_s": q})
+                                             "decision_synthetic_question_s": q}, deployments=options)
             try:
                 server.wait_ready()
-                asyncio.run(load(server.url, cheap_workload(16, 99), 4))
-                lone = asyncio.run(load(server.url, cheap_workload(200, 500 + r), 1))
-                pids = session_pids(server.proc.pid)
+                asyncio.run(raw_load(server.url, cheap_workload(16, 99), 4))
+                lone = asyncio.run(raw_load(server.url, cheap_workload(200, 500 + r), 1))
+                pids = session_pids(server.proc.pid) + [os.getpid()]     # the load generator's own CPU too
                 reqs = cheap_workload(args.clients * args.cheap_per_client, 1000 + r)
                 before, t0 = cpu_ticks(pids), time.perf_counter()
-                many = asyncio.run(load(server.url, reqs, args.clients))
+                many = asyncio.run(raw_load(server.url, reqs, args.clients))
+                many["questions_per_s"] = count_questions(reqs) / many["seconds"]
                 wall = time.perf_counter() - t0
                 print(f"round {r + 1}, {q * 1e6:.0f} us per question: CPU per request, {args.clients} clients")
                 cpu = cpu_table(before, cpu_ticks(pids), wall, len(reqs), "ms / request")
                 n = args.clients * args.cheap_per_client
                 before, t0 = cpu_ticks(pids), time.perf_counter()
-                floor_s = asyncio.run(refused_load(server.url, n, args.clients))
+                floor_s = asyncio.run(raw_load(server.url, [[]] * n, args.clients, expect=400))["seconds"]
                 print(f"round {r + 1}: the HTTP path alone (refused bodies, no model call): {n / floor_s:.0f} "
                       f"requests/s; CPU per request")
                 floor = cpu_table(before, cpu_ticks(pids), time.perf_counter() - t0, n, "ms / request")
@@ -186,7 +176,7 @@ def synthetic_path(args) -> None:
                     more = cheap_workload(4000, 3000)      # enough to outlast a profile
                     profile_processes(args.py_spy, pids, ("Ingress replica", "decision replica"),
                                       lambda: threading.Thread(target=asyncio.run, daemon=True,
-                                                               args=(load(server.url, more, args.clients),)), 6,
+                                                               args=(raw_load(server.url, more, args.clients),)), 6,
                                       top=40, gil=True)
             finally:
                 server.stop()

@@ -52,7 +52,8 @@ def name_of(pid: int) -> str:
                        ("engine_process", "chat engine process"), ("core.decision", "decision process"),
                        ("ProxyActor", "Serve proxy"),
                        ("ServeController", "Serve controller"), ("raylet", "raylet"), ("gcs_server", "GCS"),
-                       ("serve run", "serve run"), ("dashboard", "Ray dashboard"), ("log_monitor", "Ray log monitor")):
+                       ("serve run", "serve run"), ("dashboard", "Ray dashboard"), ("log_monitor", "Ray log monitor"),
+                       ("-m bench.", "load generator")):
         if key in cmd:
             return label
     script = next((w for w in cmd.split() if w.endswith(".py")), None)      # Ray's Python helpers by script name

@@ -125,3 +125,37 @@ class Connection:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def closed_loop(url: str, bodies: list, clients: int, path: str = "/v1/systemone", expect: int = 200) -> dict:
+    """`clients` closed-loop connections, client i POSTing bodies i, i + clients, ... and reading each answer
+    whole: requests/s and latency percentiles (ms). Every answer must have status `expect` (at a GPU's rate
+    httpx's CPU per request would outweigh the serving path it measures)."""
+    latencies: list[float] = []
+
+    async def worker(mine: list) -> None:
+        conn = Connection(url)
+        try:
+            for body in mine:
+                t0 = time.perf_counter()
+                try:
+                    async for _ in conn.post_pieces(path, body):
+                        pass
+                    status = 200
+                except HTTPStatusError as e:
+                    status = e.status
+                if status != expect:
+                    raise RuntimeError(f"status {status}, expected {expect}")
+                latencies.append(time.perf_counter() - t0)
+        finally:
+            conn.close()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(bodies[i::clients]) for i in range(clients)))
+    wall = time.perf_counter() - t0
+    return {"requests": len(bodies), "seconds": wall, "requests_per_s": len(bodies) / wall,
+            "p50_ms": 1e3 * percentile(latencies, 0.5), "p99_ms": 1e3 * percentile(latencies, 0.99)}

@@ -37,7 +37,7 @@ from deployments.systemone import DecisionRequest as Body
 
 
 def dumps(body: dict) -> str:
-    """A response body as the service writes it (deployments.systemone.wire_json)."""
+    """An error body as the service writes it (Starlette's JSONResponse)."""
     return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
@@ -77,7 +77,7 @@ class DecideBatch:
                 responses.append(dumps(res.body))
             else:
                 statuses.append(200)
-                responses.append(dumps(Decided(self.info.id, *res).wire()))
+                responses.append(Decided(self.info.id, *res).wire_bytes().decode())
         return {"status": statuses, "response": responses}
 
 

@@ -121,16 +121,17 @@ class DecisionModel:
         if not self.scorer.alive():
             raise RuntimeError("the decision process has stopped")
 
-    async def decide(self, request: DecisionRequest) -> Decided | DecisionRefused:
-        """A parsed request (the Ingress's DecisionRequest.check) -> its answers, or why it is refused."""
-        return await (await self._batched(request))
+    async def decide(self, request: bytes | DecisionRequest) -> bytes | DecisionRefused:
+        """A parsed request (the Ingress's DecisionRequest.check, as `to_bytes` made it) -> its answer's JSON
+        body as the client gets it, or why it is refused."""
+        return await (await self._batched(DecisionRequest.of(request)))
 
     @serve.batch(max_batch_size=BATCH.max_batch_size, batch_wait_timeout_s=BATCH.batch_wait_timeout_s)
     async def _batched(self, requests: list[DecisionRequest]) -> list[asyncio.Future]:
         """Serve's batch, handed on at once (so the next one can form): a future of each request's answer."""
         return self.merger.submit(requests)
 
-    async def _run(self, requests: list[DecisionRequest]) -> list[Decided | DecisionRefused]:
+    async def _run(self, requests: list[DecisionRequest]) -> list[bytes | DecisionRefused]:
         """One decide_batch over the merged requests."""
         self.batch_sizes[len(requests)] += 1
         self.batch_size_metric.observe(len(requests))
@@ -148,15 +149,15 @@ class DecisionModel:
                 self._reported[key] = value
         kept(self.prefix_bytes_metric).set(stats.bytes)
 
-    def _answers(self, results: list) -> list[Decided | DecisionRefused]:
-        out: list[Decided | DecisionRefused] = []
+    def _answers(self, results: list) -> list[bytes | DecisionRefused]:
+        out: list[bytes | DecisionRefused] = []
         for res in results:
             if isinstance(res, DecisionValidationError):
                 out.append(DecisionRefused(res.errors))
             else:
                 answers, usage = res
                 self.questions_metric.inc(len(answers))
-                out.append(Decided(self.name, answers, usage))
+                out.append(Decided(self.name, answers, usage).wire_bytes())
         return out
 
     def __del__(self):

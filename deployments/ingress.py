@@ -16,7 +16,7 @@ import functools
 import hmac
 import logging
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.metrics import Gauge
@@ -35,7 +35,7 @@ from .openai_requests import (ChatCompletionRequest, DetokenizeRequest, TextComp
                               unsupported)
 from .openai_shapes import DetokenizeResponse, Health, ModelCard, ModelList, TokenizeResponse
 from .registry import Model, Registry
-from .systemone import DecisionRequest, wire_json
+from .systemone import DecisionRequest
 from .openapi import openapi_schema
 from .responses_api import InputError, ResponsesRequest
 from .responses_stream import ResponseBuilder
@@ -166,11 +166,11 @@ class Ingress:
     async def systemone(self, request: Request):
         req = await self._parse(request, DecisionRequest)
         model = self.registry.get("decision", req.model)
-        parsed = req.check(await model.info(), self.settings)
+        parsed = req.check(await model.info(), self.settings).to_bytes()
         result = await self.retry(lambda: model.handle.decide.remote(parsed), "decision")
         if isinstance(result, DecisionRefused):
             raise APIError.of(result)
-        return wire_json(result.wire())
+        return Response(result, media_type="application/json")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):

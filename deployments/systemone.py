@@ -7,11 +7,9 @@ scorer take. The answers travel as protocol's records; these pydantic twins only
 """
 from __future__ import annotations
 
-import json
 
 from typing import Annotated, Any, Literal, Union
 
-from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.decision import jevfmt, protocol
@@ -96,9 +94,3 @@ class DecisionResponse(BaseModel):
 
 
 
-
-def wire_json(body: dict) -> Response:
-    """A JSON answer written as FastAPI would write the same dict (Starlette's JSONResponse: the json module,
-    compact, UTF-8, no NaN), without FastAPI's walk over it (jsonable_encoder): the bytes clients got before."""
-    return Response(json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(),
-                    media_type="application/json")

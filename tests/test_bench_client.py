@@ -81,3 +81,15 @@ def test_stream_tally_counts_tokens_from_usage_and_chunks_without_it(monkeypatch
         without.line(line)
     assert without.tokens == 3 and without.tpot() == pytest.approx(0.5)
     assert sse.StreamTally().tpot() is None
+
+
+def test_closed_loop_counts_answers_and_checks_their_status(server_url):
+    """bench.sse.closed_loop, the decision benchmarks' load: every body answered once, on keep-alive
+    connections, with the status it expects (a refusal counts when refusals are what it measures)."""
+    from bench.sse import closed_loop
+
+    got = asyncio.run(closed_loop(server_url, [{"i": i} for i in range(40)], 4, path="/plain"))
+    assert got["requests"] == 40 and got["requests_per_s"] > 0 and got["p99_ms"] >= got["p50_ms"] > 0
+    assert asyncio.run(closed_loop(server_url, [{"bad": 1}] * 6, 3, path="/plain", expect=400))["requests"] == 6
+    with pytest.raises(RuntimeError, match="status 400"):
+        asyncio.run(closed_loop(server_url, [{"bad": 1}], 1, path="/plain"))

@@ -285,12 +285,13 @@ def test_a_decide_job_answers_as_the_service_does(service, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"request": rows}), tmp_path / "in.parquet")
+    tail = slice(len(rows) - 40, None)                    # the client shapes and the refusals, as Parquet
+    pq.write_table(pa.table({"request": rows[tail]}), tmp_path / "in.parquet")
     run(str(tmp_path / "in.parquet"), str(tmp_path / "out.parquet"), config, actors=1, quiet=True)
     table = pq.read_table(tmp_path / "out.parquet").to_pydict()
-    assert table["status"] == [s for s, _ in want]
-    assert [json.loads(r) for r, (s, _) in zip(table["response"], want) if s != 200] == \
-        [g for g, (s, _) in zip(got, want) if s != 200]
+    assert table["status"] == [s for s, _ in want[tail]]
+    assert [json.loads(r) for r, (s, _) in zip(table["response"], want[tail]) if s != 200] == \
+        [g for g, (s, _) in zip(got[tail], want[tail]) if s != 200]
 
 
 def test_a_decide_job_survives_an_actor_killed_mid_job(serve_url, tmp_path):

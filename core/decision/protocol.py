@@ -3,16 +3,16 @@
     client --JSON--> Ingress: deployments/systemone.py checks the HTTP shape and the limits, and parses the
                      state and each question once (jevfmt.parse_request, with the model's template from its
                      DecisionModelInfo) into a `DecisionRequest`
-    Ingress --DecisionRequest--> DecisionModel deployment (@serve.batch) --Decide--> scorer process
-    Ingress <--Decided | DecisionRefused-- DecisionModel <--Done | Crashed-- scorer process
+    Ingress --DecisionRequest (msgpack)--> DecisionModel deployment (@serve.batch) --Decide--> scorer process
+    Ingress <--the answer's JSON body | DecisionRefused-- DecisionModel <--Done | Crashed-- scorer process
 
 - A `DecisionRequest` holds the state as the prompt shows it and each question parsed (`Question`: its type,
   instructions and options as shown), or, for a question that does not parse, `Invalid` with why: the scorer
   adds the questions too long for the model (only it has the tokenizer) and refuses all of them in one
   `DecisionValidationError`, naming every bad key in the request's order.
 - Answers are `ChoiceAnswer | NoulAnswer | ScoreAnswer` (tagged by `type`, the wire format's field) with a
-  `Usage`; the Ingress writes them as System One's JSON (`to_builtins`, then the json module: its float
-  formatting is the wire format's).
+  `Usage`, in a `Decided`; the decision deployment writes it as System One's JSON body (`wire_bytes`), which
+  the Ingress sends as it is. Through Serve both directions are bytes, never pickled records.
 - The scorer process's messages (`ScorerStart` ... `Crashed`; `Failed` and `Stop` are core/child.py's) are
   small records the two sides match on by type.
 
@@ -21,6 +21,7 @@ pickle them.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Union
 
 import msgspec
@@ -35,7 +36,7 @@ class Option(msgspec.Struct, frozen=True):
     label: Any = ""       # score levels: the level's description as the client sent it (the answer's legend)
 
 
-class Question(msgspec.Struct, frozen=True):
+class Question(msgspec.Struct, frozen=True, tag="question", tag_field="form"):
     """One question as parsed once from the wire: what the prompt shows of it."""
 
     type: str                     # "choice" | "noul" | "score"
@@ -48,7 +49,7 @@ class Question(msgspec.Struct, frozen=True):
         return Question(self.type, self.instructions, tuple(by_id[i] for i in ids))
 
 
-class Invalid(msgspec.Struct, frozen=True):
+class Invalid(msgspec.Struct, frozen=True, tag="invalid", tag_field="form"):
     """A question that did not parse: why, as the refusal names it."""
 
     message: str
@@ -57,6 +58,23 @@ class Invalid(msgspec.Struct, frozen=True):
 class DecisionRequest(msgspec.Struct, frozen=True):
     state: str                                        # rendered: the text the prompt's state block shows
     questions: dict[str, Union[Question, Invalid]]    # by the client's key, in its order
+
+    def to_bytes(self) -> bytes | "DecisionRequest":
+        """What the Ingress hands the decision deployment: msgpack bytes, which Serve passes without pickling
+        (cloudpickle takes 3-4x as long over these nested records as over bytes: bench/README.md). A request
+        msgpack cannot hold (an integer past 64 bits in a level's description) goes as the record itself."""
+        try:
+            return _ENCODER.encode(self)
+        except (OverflowError, TypeError):
+            return self
+
+    @staticmethod
+    def of(data: "bytes | DecisionRequest") -> "DecisionRequest":
+        return _REQUEST.decode(data) if isinstance(data, bytes) else data
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_REQUEST = msgspec.msgpack.Decoder(DecisionRequest)
 
 
 # ---- answers
@@ -116,6 +134,11 @@ class Decided(msgspec.Struct, frozen=True):
     def wire(self) -> dict:
         """System One's response body, as builtins."""
         return msgspec.to_builtins(self)
+
+    def wire_bytes(self) -> bytes:
+        """System One's response body as the service sends it: the json module's compact UTF-8 (its float
+        formatting is the wire format's; msgspec's differs), as FastAPI wrote the same body as a dict."""
+        return json.dumps(self.wire(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 class DecisionRefused(msgspec.Struct, frozen=True):

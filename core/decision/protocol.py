@@ -163,6 +163,35 @@ class DecisionValidationError(ValueError):
         return (DecisionValidationError, (self.errors,))
 
 
+def decide_wire(requests: list, parse, decide, with_usage: bool, return_exceptions: bool) -> list:
+    """A scorer's wire-format entry over its typed one (StartLuxDecision.decide_batch, the synthetic scorer's):
+    (state, questions) pairs -> answers (and usage) as System One's JSON objects; a bad request raises its
+    DecisionValidationError, or with `return_exceptions` holds it in its slot while the others are answered.
+    `parse(state, questions)` -> a DecisionRequest; `decide(requests)` -> per request (answers, Usage) or its
+    DecisionValidationError."""
+    parsed: list = []
+    for state, questions in requests:
+        try:
+            parsed.append(parse(state, questions))
+        except DecisionValidationError as e:
+            if not return_exceptions:
+                raise
+            parsed.append(e)
+    todo = [r for r in parsed if isinstance(r, DecisionRequest)]
+    done = iter(decide(todo) if todo else [])
+    out = []
+    for r in parsed:
+        res = next(done) if isinstance(r, DecisionRequest) else r
+        if isinstance(res, DecisionValidationError):
+            if not return_exceptions:
+                raise res
+            out.append(res)
+            continue
+        answers, usage = msgspec.to_builtins(res)
+        out.append((answers, usage) if with_usage else answers)
+    return out
+
+
 # ---- the scorer process (core/decision/process.py)
 class ScorerStart(msgspec.Struct, frozen=True):
     checkpoint: str

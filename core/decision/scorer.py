@@ -30,10 +30,8 @@ from .graphs import PromptGraphs
 from .kernels import linear_attention_kernels
 from .passes import PassCost, plan
 from .prefix_cache import PrefixCache, PrefixState, batch_cache
-import msgspec
-
 from .protocol import (DecisionRequest, DecisionValidationError, InputTokensDetails, Invalid, NoulAnswer, Question,
-                       ScoreAnswer, Usage, choice_answer)
+                       ScoreAnswer, Usage, choice_answer, decide_wire)
 
 logger = logging.getLogger(__name__)
 
@@ -406,24 +404,4 @@ class StartLuxDecision:
         """[(state, questions), ...] in the wire format -> [answers, ...] (or [(answers, usage), ...] with
         `with_usage`) as System One's JSON objects. With `return_exceptions`, a bad request's slot holds its
         DecisionValidationError and the others are still answered."""
-        parsed: list = []
-        for state, questions in requests:
-            try:
-                parsed.append(self.parse(state, questions))
-            except DecisionValidationError as e:
-                if not return_exceptions:
-                    raise
-                parsed.append(e)
-        todo = [r for r in parsed if isinstance(r, DecisionRequest)]
-        done = iter(self.decide_requests(todo) if todo else [])
-        out = []
-        for r in parsed:
-            res = next(done) if isinstance(r, DecisionRequest) else r
-            if isinstance(res, DecisionValidationError):
-                if not return_exceptions:
-                    raise res
-                out.append(res)
-                continue
-            answers, usage = msgspec.to_builtins(res)
-            out.append((answers, usage) if with_usage else answers)
-        return out
+        return decide_wire(requests, self.parse, self.decide_requests, with_usage, return_exceptions)

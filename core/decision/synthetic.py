@@ -18,12 +18,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-import msgspec
-
 from . import jevfmt as J
 from .config import DecisionConfig
 from .protocol import (ChoiceAnswer, DecisionRequest, DecisionValidationError, InputTokensDetails, Invalid, NoulAnswer,
-                       Question, ScoreAnswer, Usage)
+                       Question, ScoreAnswer, Usage, decide_wire)
 
 REMEMBERED = 4096
 BYTES_PER_TOKEN = 4
@@ -92,24 +90,8 @@ class SyntheticScorer:
 
     def decide_batch(self, requests: list, with_usage: bool = False, return_exceptions: bool = False) -> list:
         """The scorer's wire-format entry (tests): (state, questions) pairs -> JSON objects or refusals."""
-        parsed = []
-        for state, questions in requests:
-            try:
-                parsed.append(J.parse_request(state, questions, self.template))
-            except DecisionValidationError as e:
-                parsed.append(e)
-        done = iter(self.decide_requests([r for r in parsed if isinstance(r, DecisionRequest)]))
-        out = []
-        for r in parsed:
-            res = next(done) if isinstance(r, DecisionRequest) else r
-            if isinstance(res, DecisionValidationError):
-                if not return_exceptions:
-                    raise res
-                out.append(res)
-            else:
-                answers, usage = msgspec.to_builtins(res)
-                out.append((answers, usage) if with_usage else answers)
-        return out
+        return decide_wire(requests, lambda state, qs: J.parse_request(state, qs, self.template), self.decide_requests,
+                           with_usage, return_exceptions)
 
 
 def uniform_answer(q: Question):

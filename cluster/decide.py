@@ -12,9 +12,9 @@ The scorer runs as a Ray Data actor pool (`map_batches` with `DecideBatch`, a ca
 the model once, Ray Data forms its batches and feeds them in order); an actor lost mid-job is restarted and
 its batch run again (Ray Data's defaults for actor pools: max_restarts and max_task_retries -1), so every row
 is answered once. With GPUs in the cluster each actor takes one; else there is an actor per
-`decision_torch_threads` CPUs (1 when unset), one CPU left to Ray Data's reads. Ray: the running instance when this process has one, else `--address` (or $RAY_ADDRESS), else
-a local one started for the job (and stopped with it). Prints Ray Data's progress bar and a summary:
-rows, refusals, rows/s.
+`decision_torch_threads` CPUs (1 when unset), one CPU left to Ray Data's reads. Ray: the running instance when
+this process has one, else `--address` (or $RAY_ADDRESS), else a local one started for the job (and stopped
+with it). Prints Ray Data's progress bar and a summary: rows, refusals, rows/s.
 """
 from __future__ import annotations
 
@@ -30,15 +30,10 @@ import yaml
 from core.decision.protocol import (Decided, DecisionModelInfo, DecisionRefused, DecisionRequest,
                                     DecisionValidationError, ScorerStart)
 from deployments.bodies import parse_json, validated
-from deployments.errors import APIError, status_of
+from deployments.errors import APIError, error_response
 from deployments.registry import Registry
 from deployments.settings import AppArgs, DecisionSettings, IngressSettings, checkpoint_time
 from deployments.systemone import DecisionRequest as Body
-
-
-def dumps(body: dict) -> str:
-    """An error body as the service writes it (Starlette's JSONResponse)."""
-    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 class DecideBatch:
@@ -73,8 +68,9 @@ class DecideBatch:
             if isinstance(res, DecisionValidationError):
                 res = APIError.of(DecisionRefused(res.errors))
             if isinstance(res, APIError):
-                statuses.append(status_of(res.body))
-                responses.append(dumps(res.body))
+                answer = error_response(res.body)        # the status and bytes the service answers with
+                statuses.append(answer.status_code)
+                responses.append(answer.body.decode())
             else:
                 statuses.append(200)
                 responses.append(Decided(self.info.id, *res).wire_bytes().decode())
@@ -89,14 +85,13 @@ def read_requests(path: str):
         ds = ray.data.read_parquet(path)
         if "request" in ds.schema().names:
             return ds.select_columns(["request"])
-        return ds.map(lambda row: {"request": json.dumps(row, default=str)})
-    return ds_text(path)
-
-
-def ds_text(path: str):
-    import ray.data
-
+        return ds.map(lambda row: {"request": json.dumps(row, default=_plain)})
     return ray.data.read_text(path, drop_empty_lines=True).rename_columns({"text": "request"})
+
+
+def _plain(value):
+    """A Parquet value json cannot write (Arrow lists arrive as numpy arrays) as the JSON value it holds."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)
 
 
 def load_config(config: str | None) -> tuple[DecisionSettings, IngressSettings]:

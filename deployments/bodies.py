@@ -9,9 +9,8 @@ import json
 import re
 from itertools import accumulate
 
-from starlette.requests import Request
-
 from pydantic import ValidationError
+from starlette.requests import Request
 
 from .errors import APIError, error, validation_message
 

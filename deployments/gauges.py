@@ -10,6 +10,7 @@ every kept value again every `PERIOD_S`.
 from __future__ import annotations
 
 import threading
+import time
 
 PERIOD_S = 5.0      # below the agent's TTL (2 x max(metrics_report_interval_ms, 1 s); 20 s at Ray's defaults)
 
@@ -54,8 +55,8 @@ def _start() -> None:
 
 
 def _loop() -> None:
-    stop = threading.Event()
-    while not stop.wait(PERIOD_S):
+    while True:
+        time.sleep(PERIOD_S)
         try:
             refresh()
         except Exception:       # a metrics hiccup must never end the replica's reporting for good

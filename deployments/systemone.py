@@ -3,10 +3,10 @@ publishes in its OpenAPI schema, beside chat's (openai_requests.py, openai_shape
 
 `DecisionRequest.check(info, limits)` applies the Ingress's limits and parses the body once, with the model's
 prompt template, into core.decision.protocol's `DecisionRequest`: the record the decision deployment and its
-scorer take. The answers travel as protocol's records; these pydantic twins only describe them in the schema.
+scorer take. The answers reach the Ingress as the JSON body the decision deployment wrote from protocol's
+records; the pydantic answer models here only describe that body in the schema.
 """
 from __future__ import annotations
-
 
 from typing import Annotated, Any, Literal, Union
 
@@ -20,8 +20,8 @@ from .settings import IngressSettings
 
 
 class Question(BaseModel):
-    """One System One question. The scorer checks each question against its type (`jevfmt.from_systemone`) so
-    that one error can name every bad question; unknown keys (a client's `proposition`, say) are ignored."""
+    """One System One question. `check` parses each against its type (`jevfmt.parse_question`); one refusal
+    names every bad question; unknown keys (a client's `proposition`, say) are ignored."""
     model_config = ConfigDict(extra="allow")
 
     type: str | None = "choice"       # "choice" | "noul" | "score"; checked with the rest of the question
@@ -91,6 +91,3 @@ class DecisionResponse(BaseModel):
     model: str                        # the id the service serves (an alias in the request is answered with it)
     answers: dict[str, Answer]
     usage: Usage
-
-
-

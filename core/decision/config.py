@@ -9,7 +9,6 @@ Torch-free: the Ingress and the settings import it.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -86,6 +85,3 @@ class CheckpointConfig(msgspec.Struct, frozen=True):
             return msgspec.json.decode(raw, type=cls)
         except (msgspec.ValidationError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from None
-
-    def to_json(self) -> dict:
-        return json.loads(msgspec.json.encode(self))

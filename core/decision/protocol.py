@@ -234,9 +234,6 @@ class Decide(msgspec.Struct, frozen=True):
     requests: list[DecisionRequest]
 
 
-Result = Union[tuple[dict[str, Answer], Usage], DecisionValidationError]
-
-
 class Done(msgspec.Struct, frozen=True):
     call: int
     results: list                 # per request: (answers, Usage) or its DecisionValidationError

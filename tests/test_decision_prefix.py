@@ -241,3 +241,77 @@ def test_cuda_shared_prefix_matches_full_prompts(ckpt):
     reqs = [(text(rng, n), questions(rng, k)) for n, k in ((300, 8), (40, 2), (0, 3), (300, 1))]
     for (state, qs), (answers, _) in zip(reqs, shared.decide_batch(reqs, with_usage=True)):
         assert_same(answers, full.decide(state, qs)[0], tol=2e-3)
+
+
+def test_tail_buckets_are_closed_downwards_and_pick_the_smallest():
+    from core.decision.graphs import pick_tail, tail_shapes
+
+    shapes = tail_shapes()
+    assert len(shapes) == len(set(shapes))
+    for r, p, t in shapes:
+        assert r * t <= 8192 and r * (p + t) <= 65536
+    assert pick_tail(3, 300, 40, shapes) == (4, 512, 64)
+    assert pick_tail(1, 0, 1, shapes) == (1, 256, 32)
+    assert pick_tail(64, 256, 100, shapes) == (64, 256, 128)
+    assert pick_tail(64, 2000, 32, shapes) is None               # 64 rows hold at most 1,024 positions each
+    assert pick_tail(65, 10, 10, shapes) is None and pick_tail(1, 5000, 10, shapes) is None
+    # largest first by activations, so the shared pool is sized by the first graph recorded
+    assert shapes[0][0] * shapes[0][2] == max(r * t for r, _, t in shapes)
+
+
+def test_static_tail_pass_matches_the_eager_pass(ckpt, full):
+    """The tail graphs' formulation (static buffers per bucket, keys left-padded to the bucket and masked, dummy
+    rows, buffers shared between buckets), run eagerly on the CPU, answers as the eager tail pass and as full
+    prompts; only the capture itself needs a GPU (test_cuda_tail_graphs_match_eager)."""
+    rng = random.Random(9)
+    reqs = [(text(rng, n), questions(rng, k, long_tail_every=2)) for n, k in
+            ((10, 2), (200, 3), (0, 2), (90, 1), (200, 4), (35, 5))]
+    eager = StartLuxDecision(ckpt, device="cpu", max_batch_tokens=4096)
+    static = StartLuxDecision(ckpt, device="cpu", max_batch_tokens=4096)
+    shapes = [(r, p, t) for r in (1, 2, 4, 8, 16) for p in (64, 128, 256) for t in (32, 64, 128)]
+    static.tail_graphs = static.new_tail_graphs(shapes, capture=False)
+    used = []
+    pick = static.tail_graphs.shape_for
+    static.tail_graphs.shape_for = lambda states, tails: used.append(pick(states, tails)) or used[-1]
+    for _ in range(2):                                  # the second time from the prefix cache
+        got = static.decide_batch(reqs, with_usage=True)
+        ref = eager.decide_batch(reqs, with_usage=True)
+        for (answers, usage), (ref_answers, ref_usage), (state, qs) in zip(got, ref, reqs):
+            assert_same(answers, ref_answers, tol=1e-5)
+            assert_same(answers, full.decide(state, qs)[0])
+            assert usage == ref_usage
+    assert any(u is not None for u in used)             # the buckets took the passes
+    # one request alone: its questions in one bucket; and a pass no bucket holds runs eagerly
+    state, qs = text(rng, 300), questions(rng, 3)
+    assert_same(static.decide(state, qs)[0], full.decide(state, qs)[0])
+    assert used[-1] is None
+    # the buckets' state buffers are views of one buffer per layer and tensor
+    layers = [b.layers[0][0] for b in static.tail_graphs.buffers.values()]
+    assert len({t.untyped_storage().data_ptr() for t in layers}) == 1
+
+
+@pytest.mark.gpu
+def test_cuda_tail_graphs_match_eager(ckpt):
+    """On CUDA, a batch's state-once passes replay recorded tail graphs and answer as the eager passes do, within
+    the readout tolerance, from fresh and from cached prefix states."""
+    import os
+
+    from core.decision.kernels import linear_attention_kernels
+
+    if os.environ.get("STARTLUX_ALLOW_SLOW") != "1" and any(
+            v == "torch" for v in linear_attention_kernels(__import__("transformers").Qwen3_5ForCausalLM).values()):
+        pytest.skip("fast kernels not installed")
+    graphed = StartLuxDecision(ckpt, device="cuda", dtype=torch.float32)
+    eager = StartLuxDecision(ckpt, device="cuda", dtype=torch.float32, graphs=False)
+    assert graphed.tail_graphs is not None and graphed.tail_graphs.graphs
+    replays = []
+    replay = graphed.tail_graphs.replay
+    graphed.tail_graphs.replay = lambda *a: replays.append(a[0]) or replay(*a)
+    rng = random.Random(10)
+    reqs = [(text(rng, n), questions(rng, k, long_tail_every=2)) for n, k in
+            ((300, 8), (40, 2), (0, 3), (300, 1), (900, 4), (120, 6))]
+    for _ in range(2):
+        for (answers, _), (ref, _) in zip(graphed.decide_batch(reqs, with_usage=True),
+                                          eager.decide_batch(reqs, with_usage=True)):
+            assert_same(answers, ref, tol=2e-3)
+    assert replays

@@ -58,8 +58,8 @@ def batch_cache(config, states: list[PrefixState | None]) -> tuple[DynamicCache 
         return None, 0
     ref = given[0]
     longest = max(s.length for s in given)
-    cache = DynamicCache(config=config)
-    for i, (kind, layer) in enumerate(zip(ref.kinds, cache.layers)):
+    stacked = []
+    for i, kind in enumerate(ref.kinds):
         a0, b0 = ref.tensors[i]
         rows_a, rows_b = [], []
         for s in states:
@@ -78,16 +78,27 @@ def batch_cache(config, states: list[PrefixState | None]) -> tuple[DynamicCache 
                 a, b = torch.nn.functional.pad(a, pad), torch.nn.functional.pad(b, pad)
             rows_a.append(a)
             rows_b.append(b)
-        a, b = torch.cat(rows_a), torch.cat(rows_b)
+        stacked.append((torch.cat(rows_a), torch.cat(rows_b)))
+    return cache_of(config, ref.kinds, stacked), longest
+
+
+def cache_of(config, kinds: list[str], tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A cache whose layers continue from `tensors` (per layer, rows side by side, full-attention keys already
+    padded to one length). The given tensors are never written to: a linear-attention layer works on copies
+    of its states, and a full-attention layer's update makes new key tensors. Every step is a tensor op, so it
+    can run inside a CUDA graph capture (graphs.TailGraphs) over static buffers."""
+    cache = DynamicCache(config=config)
+    for kind, layer, (a, b) in zip(kinds, cache.layers, tensors):
         if kind == LINEAR:
             layer.lazy_initialization(conv_states=a, recurrent_states=b, conv_kernel_size=a.shape[-1])
             layer.conv_states[0].copy_(a)
             layer.recurrent_states[0].copy_(b)
             layer.has_previous_state[0] = True   # the next pass continues the recurrence
-        else:
-            layer.lazy_initialization(a, b)
+        else:   # what lazy_initialization sets, without its empty host tensors (no copy inside a capture)
+            layer.dtype, layer.device = a.dtype, a.device
             layer.keys, layer.values = a, b
-    return cache, longest
+            layer.is_initialized = True
+    return cache
 
 
 class PrefixCache:

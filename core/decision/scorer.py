@@ -26,10 +26,10 @@ import torch
 
 from . import jevfmt as J
 from .config import CheckpointConfig, DecisionConfig
-from .graphs import PromptGraphs
+from .graphs import PromptGraphs, TailGraphs
 from .kernels import linear_attention_kernels
 from .passes import PassCost, plan
-from .prefix_cache import PrefixCache, PrefixState, batch_cache
+from .prefix_cache import PrefixCache, PrefixState, batch_cache, cache_of
 from .protocol import (DecisionRequest, DecisionValidationError, InputTokensDetails, Invalid, NoulAnswer, Question,
                        ScoreAnswer, Usage, choice_answer, decide_wire)
 
@@ -135,8 +135,19 @@ class StartLuxDecision:
         self.pass_cost = PassCost.of(self.body, self.device.type)
         self.kinds = list(getattr(self.body.config, "layer_types", []))
         self.graphs: PromptGraphs | None = None
+        self.tail_graphs: TailGraphs | None = None
         if config.graphs and self.device.type == "cuda" and os.environ.get("STARTLUX_GRAPHS", "1") != "0":
             self.graphs = PromptGraphs(self._slot_logits, self.device, self.pad)
+            if self.share_prefix:
+                self.tail_graphs = self.new_tail_graphs()
+
+    def new_tail_graphs(self, shapes=None, capture: bool = True) -> TailGraphs | None:
+        """Tail graphs for this model (graphs.TailGraphs; None when its attention cannot take the 4-D mask they
+        pass). `capture=False` records nothing: replays run the same static pass eagerly (the CPU tests)."""
+        if getattr(self.body.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+            return None
+        return TailGraphs(self._static_tail_logits, self._prefix_state([self.pad] * 2), self.device, self.pad,
+                          shapes, capture)
 
     # ---- model passes
     def _slot_logits(self, ids: torch.Tensor, last: torch.Tensor, attn: torch.Tensor | None = None) -> torch.Tensor:
@@ -172,9 +183,36 @@ class StartLuxDecision:
         self.body(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True)
         return PrefixState.capture(cache, self.kinds, len(ids))
 
+    def _static_tail_logits(self, buffers, prefix: int) -> torch.Tensor:
+        """The tail pass over one bucket's static buffers (graphs.TailBuffers), as a CUDA graph records it: tensor
+        ops only, shapes fixed by the bucket. Keys are the bucket's `prefix` positions (each row's state
+        right-aligned in them) then the tail's; a row sees its own prefix and the tail causally, and its
+        positions continue from its prefix length, as in `_tail_logits`."""
+        ids, lengths = buffers.ids, buffers.lengths
+        rows, width = ids.shape
+        cache = cache_of(self.body.config, self.kinds, buffers.layers)
+        keys = torch.arange(prefix + width, device=ids.device)
+        queries = torch.arange(width, device=ids.device)
+        own_prefix = (keys < prefix) & (keys >= (prefix - lengths)[:, None])              # (rows, keys)
+        causal_tail = (keys >= prefix) & (keys - prefix <= queries[:, None])             # (width, keys)
+        seen = (own_prefix[:, None, :] | causal_tail[None]).unsqueeze(1)                 # (rows, 1, width, keys)
+        if self.body.config._attn_implementation != "sdpa":     # eager attention adds its mask
+            seen = torch.zeros(seen.shape, dtype=self.dtype, device=ids.device).masked_fill(
+                ~seen, torch.finfo(self.dtype).min)
+        positions = lengths[:, None] + queries
+        hidden = self.body(input_ids=ids, attention_mask={"full_attention": seen, "linear_attention": None},
+                           position_ids=positions, past_key_values=cache, use_cache=True,
+                           return_dict=True).last_hidden_state
+        h = hidden[torch.arange(rows, device=ids.device), buffers.last].float()
+        return h @ self.letter_rows.T
+
     @torch.inference_mode()
     def _tail_logits(self, states: list[PrefixState | None], tails: list[list[int]]) -> torch.Tensor:
-        """One pass over `tails`, each continuing from its prefix state: right-padded tails, left-padded keys."""
+        """One pass over `tails`, each continuing from its prefix state: right-padded tails, left-padded keys. On
+        a GPU a recorded tail graph replays it when one holds the pass."""
+        shape = self.tail_graphs.shape_for(states, tails) if self.tail_graphs is not None else None
+        if shape is not None:
+            return self.tail_graphs.replay(shape, states, tails)
         cache, longest = batch_cache(self.body.config, states)
         width = max(len(t) for t in tails)
         ids = torch.full((len(tails), width), self.pad, dtype=torch.long)

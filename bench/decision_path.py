@@ -1,6 +1,6 @@
 """Decisions through the service against `decide_batch` offline, on the same requests.
 
-    python -m bench.decision_path [--rounds 2] [--clients 32] [--set KEY=VALUE ...] [--profile]
+    python -m bench.decision_path [--rounds 2] [--clients 32] [--set KEY=VALUE ...] [--env NAME=VALUE ...] [--profile]
                                   [--py-spy /tmp/pyspy/bin/py-spy] [--json out.json]
 
 Two workloads: `cheap` (small states of a few dozen tokens, 3 questions each (choice, noul, score), and about
@@ -56,11 +56,11 @@ print("RESULT", json.dumps({"seconds": time.perf_counter() - t0}))
 """
 
 
-def offline_seconds(app_args: dict, reqs: list[dict], work: Path) -> float:
+def offline_seconds(app_args: dict, reqs: list[dict], work: Path, env: dict | None = None) -> float:
     path = work / "reqs.json"
     path.write_text(json.dumps(reqs))
     out = subprocess.run([sys.executable, "-c", OFFLINE, json.dumps(app_args), str(path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=1800)
+                         capture_output=True, text=True, timeout=1800, env={**os.environ, **(env or {})})
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])["seconds"]
@@ -86,6 +86,8 @@ def main() -> None:
     p.add_argument("--deployment", action="append", default=[], metavar="NAME=JSON",
                    help="--synthetic: options of a deployment over the config's, e.g. "
                         "'DecisionModel={\"logging_config\": {\"enable_access_log\": false}}'")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="added to the environment of the service and of the offline scorer (e.g. OMP_WAIT_POLICY)")
     p.add_argument("--json")
     args = p.parse_args()
     if args.synthetic:
@@ -93,6 +95,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     overrides = app_overrides(args.set)
+    env = dict(kv.split("=", 1) for kv in args.env)
     app_args = {**yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text())["applications"][0]["args"],
                 **overrides}
     tok = AutoTokenizer.from_pretrained(str(ROOT / decision_checkpoint(app_args)))
@@ -103,7 +106,7 @@ def main() -> None:
         workloads = {"cheap": cheap_workload(args.clients * args.cheap_per_client, 1000 + r),
                      "client": client_workload(args.clients * args.client_per_client, 2000 + r,
                                                count=lambda t: len(tok.encode(t, add_special_tokens=False)))}
-        server = start_ours(chat, work, overrides)
+        server = start_ours(chat, work, overrides, env)
         service = {}
         try:
             server.wait_ready()
@@ -128,7 +131,8 @@ def main() -> None:
         own = app_args.get("decision_torch_threads")
         for name, reqs in workloads.items():
             s = service[name]
-            offline = {t: count_questions(reqs) / offline_seconds({**app_args, "decision_torch_threads": t}, reqs, work)
+            offline = {t: count_questions(reqs) / offline_seconds({**app_args, "decision_torch_threads": t}, reqs,
+                                                                  work, env)
                        for t in sorted({own, *args.offline_threads} - {None})}
             rows.append({"round": r + 1, "workload": name, "service_threads": own, "service_qps": s["questions_per_s"],
                          "p50_ms": s["p50_ms"], "offline_qps_by_threads": offline})

@@ -1,14 +1,15 @@
 """The decision deployment: one StartLuxDecision per replica, requests batched with @serve.batch.
 
 Concurrent requests are collected into the scorer's `decide_batch` (which sends a batch of one through
-`decide`, so on a GPU it replays a CUDA graph). `max_batch_size` and `batch_wait_timeout_s` are live settings
-(`user_config` -> `reconfigure`, BatchSettings); the deployment's `max_ongoing_requests` must be at least the
-batch size or batches could never fill.
+`decide`, so on a GPU it replays a CUDA graph). `max_batch_size`, `batch_wait_timeout_s` and
+`batches_in_flight` are live settings (`user_config` -> `reconfigure`, BatchSettings); the deployment's
+`max_ongoing_requests` must be at least the batch size or batches could never fill.
 
 Serve's batcher forms a batch as soon as its wait ends, and a batch formed while the model is busy waits
 whole for its turn: under steady load each holds only the requests of one wait, and the model runs small
-batches (bench/README.md). So each batch Serve forms goes to a `BatchMerger` at once, which runs one
-`decide_batch` at a time over every request that has come while the one before ran (up to `max_batch_size`).
+batches (bench/README.md). So each batch Serve forms goes to a `BatchMerger` at once, which sends the scorer
+one `decide_batch` over every request that has come while the calls before it ran (up to `max_batch_size`),
+`batches_in_flight` (2) at a time, so that the next batch already waits in the scorer when it ends one.
 The model runs in a child process of the replica (core/decision/process.py: on a thread, the replica's event
 loop and the model took turns on one GIL), or with `decision_process: false` on a worker thread of it.
 """
@@ -36,43 +37,56 @@ logger = logging.getLogger(__name__)
 
 
 class BatchMerger:
-    """Runs `run(items) -> results` one call at a time; items submitted while a call runs go together into the
-    next one, up to `max_size` (a submission is never split; one larger than max_size runs alone)."""
+    """Runs `run(items) -> results` with at most `depth` calls in flight; items submitted while they run go
+    together into the next call, up to `max_size` (a submission is never split; one larger than max_size runs
+    alone). With a depth of 2 the scorer, which runs its calls in order, always has the next batch waiting when
+    one ends, instead of idling for a round trip through this event loop between batches; the batches stay as
+    large, since a call starts only once one ends."""
 
-    def __init__(self, run, max_size: int):
-        self.run, self.max_size = run, max_size
+    def __init__(self, run, max_size: int, depth: int = 2):
+        self.run, self.max_size, self.depth = run, max_size, depth
         self._pending: list[tuple[list, list[asyncio.Future]]] = []
-        self._task: asyncio.Task | None = None
+        self._running = 0
+        self._soon = False
 
     def submit(self, items: list) -> list[asyncio.Future]:
-        """A future of each item's result (or of the call's exception)."""
+        """A future of each item's result (or of the call's exception). Calls start on the loop's next turn,
+        so what is submitted in one turn goes together."""
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in items]
         self._pending.append((list(items), futures))
-        if self._task is None or self._task.done():
-            self._task = loop.create_task(self._drain())
+        if not self._soon:
+            self._soon = True
+            loop.call_soon(self._start, loop)
         return futures
 
-    async def _drain(self) -> None:
-        while self._pending:
+    def _start(self, loop) -> None:
+        self._soon = False
+        while self._pending and self._running < self.depth:
             items, futures = [], []
             while self._pending and (not items or len(items) + len(self._pending[0][0]) <= self.max_size):
                 more, their = self._pending.pop(0)
                 live = [(x, f) for x, f in zip(more, their) if not f.done()]     # a caller gone: not run
                 items += [x for x, _ in live]
                 futures += [f for _, f in live]
-            if not items:
-                continue
-            try:
-                results = await self.run(items)
-            except Exception as e:
-                for f in futures:
-                    if not f.done():
-                        f.set_exception(e)
-                continue
+            if items:
+                self._running += 1
+                loop.create_task(self._call(items, futures))
+
+    async def _call(self, items: list, futures: list[asyncio.Future]) -> None:
+        try:
+            results = await self.run(items)
+        except Exception as e:
+            for f in futures:
+                if not f.done():
+                    f.set_exception(e)
+        else:
             for f, r in zip(futures, results):
                 if not f.done():
                     f.set_result(r)
+        finally:
+            self._running -= 1
+            self._start(asyncio.get_running_loop())
 
 
 @serve.deployment(name="DecisionModel")
@@ -94,7 +108,7 @@ class DecisionModel:
         self.prefix_bytes_metric = Gauge("decision_prefix_cache_bytes", "Bytes of prefix states held.",
                                          tag_keys=("model",))
         self._reported = {"query_tokens": 0, "hit_tokens": 0}
-        self.merger = BatchMerger(self._run, BATCH.max_batch_size)
+        self.merger = BatchMerger(self._run, BATCH.max_batch_size, BATCH.batches_in_flight)
         for m in (self.batch_size_metric, self.questions_metric, self.prefix_queries_metric, self.prefix_hits_metric,
                   self.prefix_bytes_metric):
             m.set_default_tags({"model": self.name})   # a fresh dict each: Serve mutates it
@@ -104,7 +118,7 @@ class DecisionModel:
     def reconfigure(self, user_config: dict) -> None:
         batch = BatchSettings.model_validate(user_config or {})
         self._batched.set_max_batch_size(batch.max_batch_size)
-        self.merger.max_size = batch.max_batch_size
+        self.merger.max_size, self.merger.depth = batch.max_batch_size, batch.batches_in_flight
         self._batched.set_batch_wait_timeout_s(batch.batch_wait_timeout_s)
 
     def info(self) -> DecisionModelInfo:

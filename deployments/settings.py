@@ -119,6 +119,8 @@ class BatchSettings(BaseModel):
 
     max_batch_size: int = Field(16, ge=1)           # requests in one decide_batch
     batch_wait_timeout_s: float = Field(0.01, ge=0)   # how long a batch waits to fill
+    batches_in_flight: int = Field(2, ge=1, le=8)     # decide_batch calls sent to the scorer at a time: with 2,
+                                                      # the next waits there while one runs (no idle gap)
 
 
 class IngressSettings(BaseModel):

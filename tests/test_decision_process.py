@@ -118,7 +118,7 @@ def test_batch_merger_runs_what_came_meanwhile_as_one_call():
         return [f"answer {x}" for x in items]
 
     async def scenario():
-        merger = BatchMerger(run, max_size=4)
+        merger = BatchMerger(run, max_size=4, depth=1)
         first = merger.submit(["a"])                      # starts at once, alone
         await asyncio.sleep(0)
         waiting = [merger.submit(["b", "c"]), merger.submit(["d"]), merger.submit(["e", "f"]), merger.submit(["g"])]
@@ -137,6 +137,43 @@ def test_batch_merger_runs_what_came_meanwhile_as_one_call():
     # submitted together while idle, boom and y run as one call; it raises, so both fail; the merger goes on
     assert calls[3:] == [["boom", "y"], ["h"]]
     assert all(isinstance(o, ValueError) for o in outcome) and later == ["answer h"]
+
+
+def test_batch_merger_keeps_the_next_batch_waiting_at_the_scorer():
+    """At depth 2 the scorer (here a stand-in that runs its calls one at a time, in the order sent, as the
+    decision process does) is sent the next batch while it runs one, so it never waits for this loop between
+    batches; never more than two calls are out, batches still merge what came meanwhile, and each request gets
+    its own answer."""
+    from deployments.decision import BatchMerger
+
+    sent, ran, out, peak = [], [], [0], [0]
+
+    async def scenario():
+        device = asyncio.Lock()
+
+        async def run(items):
+            sent.append(list(items))
+            out[0] += 1
+            peak[0] = max(peak[0], out[0])
+            async with device:
+                ran.append(list(items))
+                await asyncio.sleep(0.02)
+            out[0] -= 1
+            return [f"answer {x}" for x in items]
+
+        merger = BatchMerger(run, max_size=4)
+        futures = []
+        for i in range(24):                         # a request every 5 ms, four per batch's run time
+            futures += merger.submit([i])
+            await asyncio.sleep(0.005)
+        return await asyncio.gather(*futures)
+
+    answers = asyncio.run(scenario())
+    assert answers == [f"answer {i}" for i in range(24)]
+    assert ran == sent and [x for b in ran for x in b] == list(range(24))     # in order, each once
+    assert max(len(b) for b in ran) > 1                                       # merged what came meanwhile
+    assert len(ran) < 24
+    assert peak[0] == 2               # a batch was sent while another ran, and never more than two were out
 
 
 def test_memory_return_gives_freed_heap_pages_back():

@@ -112,6 +112,10 @@ def _check_decision_model(model, args, deps):
     b = BatchSettings()
     assert model._batched._get_max_batch_size() == user.get("max_batch_size", b.max_batch_size)
     assert model._batched._get_batch_wait_timeout_s() == user.get("batch_wait_timeout_s", b.batch_wait_timeout_s)
+    assert model.merger.max_size == user.get("max_batch_size", b.max_batch_size)
+    assert model.merger.depth == user.get("batches_in_flight", b.batches_in_flight)
+    model.reconfigure({**user, "batches_in_flight": 1})          # live: the merger's depth follows
+    assert model.merger.depth == 1
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -1,6 +1,7 @@
 """Where the serving path spends the CPU: every process of the service under the 32-stream load.
 
     python -m bench.path_profile [--py-spy /tmp/pyspy/bin/py-spy] [--max-tokens 128] [--json out.json]
+    python -m bench.path_profile --streams 1 8 32 128 --prompt-tokens 64 768 --max-tokens 64
 
 Starts the service as bench.vllm_peer does (serve_config.cpu.yaml's application, HAProxy in front, the same
 random GPT-2 on the demo vocabulary), runs 32 streamed `/v1/completions` clients (token-id prompts, greedy,
@@ -8,7 +9,9 @@ random GPT-2 on the demo vocabulary), runs 32 streamed `/v1/completions` clients
 generated tokens per process (HAProxy, the Serve proxy and controller, the Ingress replica, the chat replica,
 its engine process, the decision replica, Ray's own), and the share of the machine each took. With --py-spy
 (py-spy is on the registry: `pip install --target /tmp/pyspy py-spy`), each Python process of the path is
-sampled during a second load and its hottest functions printed.
+sampled during a second load and its hottest functions printed (at the last stream count). Several
+`--streams` and `--prompt-tokens` (prompts of exactly that many tokens instead of 16-96) run one after
+another on the same service, each with its own table, then a summary of the path's CPU per token.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import asyncio
 import collections
 import json
 import os
+import random
 import subprocess
 import tempfile
 import threading
@@ -134,7 +138,9 @@ def profile_processes(py_spy: str, pids: list[int], names: tuple[str, ...], load
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--py-spy")
-    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--streams", type=int, nargs="+", default=[32])
+    p.add_argument("--prompt-tokens", type=int, nargs="*", default=[],
+                   help="prompts of exactly this many tokens (default: 16-96); several run in turn")
     p.add_argument("--per-client", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seconds", type=int, default=20, help="py-spy sampling time per process")
@@ -145,26 +151,47 @@ def main() -> None:
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="path-profile-"))
     ours, _, vocab, bos = build_checkpoints(work)
-    ids = prompts(args.streams * args.per_client, min(vocab, bos), bos)
+    def prompt_set(n: int, length: int | None) -> list[list[int]]:
+        ids = prompts(n, min(vocab, bos), bos, seed=length or 0)
+        if length is None:
+            return ids
+        rng = random.Random(length)
+        return [[bos] + [rng.randrange(min(vocab, bos)) for _ in range(length - 1)] for _ in range(n)]
+
     overrides = app_overrides(args.set)
     server = start_ours(ours, work, overrides, dict(kv.split("=", 1) for kv in args.env))
-    result = {}
+    result, summary = {"runs": []}, []
+    path = ("Ingress replica", "chat replica", "HAProxy", "chat engine process")
     try:
         server.wait_ready()
-        asyncio.run(load(server.url, None, 4, 1, 8, ids))
+        asyncio.run(load(server.url, None, 4, 1, 8, prompt_set(4, None)))
         pids = session_pids(server.proc.pid)
-        before, t0 = cpu_ticks(pids), time.perf_counter()
-        run = asyncio.run(load(server.url, None, args.streams, args.per_client, args.max_tokens, ids))
-        after, wall = cpu_ticks(pids), time.perf_counter() - t0
-        print(f"{args.streams} streams x {args.max_tokens} tokens: {run['tokens_per_s']:.1f} tokens/s, "
-              f"TTFT p50 {run['ttft_p50_ms']:.1f} ms, {wall:.1f} s, {os.cpu_count()} cores")
-        rows = cpu_table(before, after, wall, run["tokens"] / 1000, "ms / 1k tokens")
-        result = {"run": run, "wall_s": wall, "cpu_s": rows}
+        for length in args.prompt_tokens or [None]:
+            for streams in args.streams:
+                ids = prompt_set(streams * args.per_client, length)
+                before, t0 = cpu_ticks(pids), time.perf_counter()
+                run = asyncio.run(load(server.url, None, streams, args.per_client, args.max_tokens, ids))
+                after, wall = cpu_ticks(pids), time.perf_counter() - t0
+                shape = f"{length}-token prompts" if length else "16-96-token prompts"
+                print(f"{streams} streams x {args.max_tokens} tokens, {shape}: {run['tokens_per_s']:.1f} tokens/s, "
+                      f"TTFT p50 {run['ttft_p50_ms']:.1f} ms, {wall:.1f} s, {os.cpu_count()} cores")
+                rows = cpu_table(before, after, wall, run["tokens"] / 1000, "ms / 1k tokens")
+                per_token = {name: 1e6 * rows.get(name, 0.0) / run["tokens"] for name in path}
+                summary.append((streams, length, run["tokens_per_s"], per_token))
+                result["runs"].append({"streams": streams, "prompt_tokens": length, "run": run, "wall_s": wall,
+                                       "cpu_s": rows, "us_per_token": per_token})
+        print("\nus of CPU per generated token | " + " | ".join(path) + " | path (all but the engine)")
+        for streams, length, rate, per_token in summary:
+            serving = sum(v for k, v in per_token.items() if k != "chat engine process")
+            print(f"{streams:4} streams, {length or '16-96'} prompt tokens, {rate:7.1f} tokens/s | "
+                  + " | ".join(f"{per_token[k]:6.1f}" for k in path) + f" | {serving:6.1f}")
         if args.py_spy:
+            streams, ids = args.streams[-1], prompt_set(args.streams[-1] * args.per_client, None)
+
             def loaded():    # the load on a thread of its own, so that it runs while py-spy samples
-                per_client = max(1, int(3 * args.seconds * 800 / args.max_tokens) // args.streams)
+                per_client = max(1, int(3 * args.seconds * 800 / args.max_tokens) // streams)
                 return threading.Thread(target=asyncio.run, daemon=True, args=(load(
-                    server.url, None, args.streams, per_client, args.max_tokens, ids),))
+                    server.url, None, streams, per_client, args.max_tokens, ids),))
             result["py_spy"] = profile_processes(args.py_spy, pids, ("Ingress replica", "chat replica",
                                                  "chat engine process", "Serve proxy"), loaded, args.seconds)
     finally:

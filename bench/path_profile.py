@@ -152,9 +152,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="path-profile-"))
     ours, _, vocab, bos = build_checkpoints(work)
     def prompt_set(n: int, length: int | None) -> list[list[int]]:
-        ids = prompts(n, min(vocab, bos), bos, seed=length or 0)
         if length is None:
-            return ids
+            return prompts(n, min(vocab, bos), bos)
         rng = random.Random(length)
         return [[bos] + [rng.randrange(min(vocab, bos)) for _ in range(length - 1)] for _ in range(n)]
 

@@ -157,13 +157,13 @@ def test_batch_merger_keeps_the_next_batch_waiting_at_the_scorer():
             peak[0] = max(peak[0], out[0])
             async with device:
                 ran.append(list(items))
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.05)     # ten arrivals per call: a late loop still overlaps
             out[0] -= 1
             return [f"answer {x}" for x in items]
 
         merger = BatchMerger(run, max_size=4)
         futures = []
-        for i in range(24):                         # a request every 5 ms, four per batch's run time
+        for i in range(24):                         # a request every 5 ms
             futures += merger.submit([i])
             await asyncio.sleep(0.005)
         return await asyncio.gather(*futures)

@@ -15,6 +15,7 @@ Each kind's graphs share one memory pool, recorded largest first.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -181,7 +182,7 @@ class TailGraphs:
                 b_shape = (rows, sb[0], prefix, sb[2])
             else:
                 a_shape, b_shape = (rows, *sa), (rows, *sb)
-            layers.append((fa[:_numel(a_shape)].view(a_shape), fb[:_numel(b_shape)].view(b_shape)))
+            layers.append((fa[:math.prod(a_shape)].view(a_shape), fb[:math.prod(b_shape)].view(b_shape)))
         return TailBuffers(torch.full((rows, tail), self.pad, dtype=torch.long, device=self.device),
                            torch.zeros(rows, dtype=torch.long, device=self.device),
                            torch.zeros(rows, dtype=torch.long, device=self.device), layers)
@@ -214,13 +215,9 @@ class TailGraphs:
 
         buffers, prefix = self.buffers[shape], shape[1]
         n = len(tails)
-        ids = torch.full(buffers.ids.shape, self.pad, dtype=torch.long)
-        for j, t in enumerate(tails):
-            ids[j, :len(t)] = torch.tensor(t)
         lengths = [s.length if s is not None else 0 for s in states]
-        buffers.ids.copy_(ids)
+        fill_static(buffers.ids, buffers.last[:n], tails, self.pad)      # rows past n: all padding
         buffers.lengths[:n].copy_(torch.tensor(lengths))
-        buffers.last[:n].copy_(torch.tensor([len(t) - 1 for t in tails]))
         buffers.lengths[n:] = 0
         buffers.last[n:] = 0
         for i, (kind, (a, b)) in enumerate(zip(self.kinds, buffers.layers)):
@@ -244,10 +241,3 @@ class TailGraphs:
         else:
             out = self.tail_pass(self.buffers[shape], shape[1])
         return out[:len(tails)].cpu()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

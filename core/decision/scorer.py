@@ -11,7 +11,8 @@ Paths through the model:
   A state that must be cut is cut once per request, to fit its longest question.
 - Full prompts (`share_prefix=False`, the seed's way): every prompt runs whole, sorted by length,
   right-padded with a mask, at most `max_batch_tokens` per pass.
-- CUDA graphs: on a GPU, `decide` replays a recorded pass over whole prompts when one fits (graphs.py).
+- CUDA graphs: on a GPU, `decide` replays a recorded pass over whole prompts when one fits, and the shared
+  prefix path's tail passes replay recorded tail graphs when a bucket holds them (graphs.py).
 One forward pass at a time (a lock): graphs share static buffers and callers may be on several threads.
 """
 from __future__ import annotations

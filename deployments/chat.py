@@ -25,8 +25,10 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from core.chat import ChatPrompter, PromptError, load_chat_defaults, load_chat_tokenizer
 from core.chat.engine_process import start_engine
 from core.chat.protocol import (ENGINE_STOPPED_CODE, ChatModelInfo, EngineDied, EngineError, EngineFull, EngineStart,
-                                EngineStats, GenerateRequest, SamplingError, StreamError, TokenEvent, encode_message)
+                                EngineStats, GenerateRequest, OnChannel, SamplingError, StreamError, TokenEvent,
+                                encode_message)
 
+from .channel import END, Channel, ChannelLost, ChannelPool
 from .deltas import deltas
 from .gauges import kept
 from .settings import ChatSettings, checkpoint_time
@@ -163,6 +165,7 @@ class ChatModel:
         self.prompter = ChatPrompter(tok, cfg.sequence_len, self.defaults.fewshot, self.defaults.tool_format)
         start = EngineStart(settings.checkpoint, settings.device, settings.engine, tuple(self.prompter.prefix_ids))
         self.engine = start_engine(start, on_stats=self.metrics.engine_stats, hold=settings.hold)
+        self.channels = ChannelPool()
         self.fallback = 1 if self.engine.linear == "torch-fallback" else 0
         kept(self.metrics.linear_fallback).set(self.fallback)
         logger.info("chat model %s loaded (%s, %d rows, %s)", self.name, type(self.engine).__name__,
@@ -244,11 +247,25 @@ class ChatModel:
         self.metrics.prompted.inc(sum(len(ids) for ids in prompts))
         return stream, first, bos_added
 
+    async def _channel(self, request: GenerateRequest) -> Channel | None:
+        """The request's token channel to its Ingress replica, or None: none offered, or it cannot be reached
+        (then the stream keeps to its Serve call)."""
+        if request.channel is None:
+            return None
+        try:
+            return await self.channels.get(request.channel)
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, PermissionError) as e:
+            logger.warning("token channel to %s:%d failed (%r); streaming through Serve", request.channel.host,
+                           request.channel.port, e)
+            return None
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[bytes]:
         """The stream's messages: each one delivery of the engine client (everything ready for the stream at
         that moment; after its first text, held as `stream_interval` and `stream_interval_s` say) as Deltas,
         encoded (protocol.encode_message). With several prompts, sample i of prompt p is choice p * n + i. A
-        refused request is one message of one StreamError; a failure mid-way ends the stream with one."""
+        refused request is one message of one StreamError; a failure mid-way ends the stream with one. With a
+        token channel (request.channel), the first message starts with OnChannel and the rest, then END, go on
+        the channel; this call still ends only when the generation does."""
         arrival = time.monotonic()
         streams: list = []
         try:
@@ -257,30 +274,54 @@ class ChatModel:
             await close_all(streams)
             yield encode_message([refusal(e)])
             return
+        channel = await self._channel(request)
+        number = request.channel.stream if channel is not None else 0
         last: dict[int, float] = {}
         n = request.params.n
+        ended = False
         try:
             prompt, batch = first
+            records: list = [OnChannel()] if channel is not None else []
             while True:
                 self.metrics.tokens(batch, arrival, last)
                 failed = next((k for k, ev in enumerate(batch) if ev.finish_reason == "error"), None)
                 if failed is not None:
-                    yield encode_message(deltas(self.tok, batch[:failed], prompt * n, bos_added[prompt])
-                                         + [MODEL_FAILED])
+                    records += deltas(self.tok, batch[:failed], prompt * n, bos_added[prompt]) + [MODEL_FAILED]
+                else:
+                    records += deltas(self.tok, batch, prompt * n, bos_added[prompt])
+                if channel is None or records and isinstance(records[0], OnChannel):
+                    yield encode_message(records)
+                else:
+                    channel.put(number, encode_message(records))
+                    await channel.drained()
+                if failed is not None:
+                    ended = True
                     return
-                yield encode_message(deltas(self.tok, batch, prompt * n, bos_added[prompt]))
+                records = []
                 try:
                     prompt, batch = await stream.__anext__()
                 except StopAsyncIteration:
                     self.metrics.e2e.observe(time.monotonic() - arrival)
+                    ended = True
                     return
         except EngineDied:
-            yield encode_message([ENGINE_STOPPED])
+            if channel is None:
+                yield encode_message([ENGINE_STOPPED])
+            else:
+                channel.put(number, encode_message([ENGINE_STOPPED]))
+                ended = True
+        except ChannelLost:
+            pass                           # the Ingress has lost the stream too, and continues or ends it
         finally:
+            if ended and channel is not None and not channel.closed:
+                channel.put(number, END)
             await stream.aclose()
             await close_all(streams)
 
     def __del__(self):
+        channels = getattr(self, "channels", None)
+        if channels is not None:
+            channels.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -18,6 +18,7 @@ import logging
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+import ray
 from ray import serve
 from ray.serve.metrics import Gauge
 
@@ -27,6 +28,7 @@ from core.decision.protocol import DecisionRefused
 from . import web
 from .admission import Admission, RefuseWhenFull, Tally
 from .bodies import read_json, validated
+from .channel import ChannelServer
 from .completion import Completion, TextCompletion
 from .errors import RETRY_AFTER_S, APIError, error, install_handlers
 from .gauges import kept
@@ -72,6 +74,8 @@ class Ingress:
                                                   on_change=functools.partial(self._admission_changed, m.name),
                                                   on_refusal=self.chat_refused.inc)
                                 for m in self.registry.of_kind("chat")}
+        # the token channel listens on this node's address (where the chat replicas reach it), on first use
+        self.channel = ChannelServer(ray.util.get_node_ip_address()) if settings.token_channel else None
         self.streams_continued = Tally("chat_streams_continued_total",
                                        "Generations moved to another chat replica after theirs was lost.")
         app.state.ingress = self    # RefuseWhenFull reads the admission and key check here (one Ingress per process)
@@ -160,7 +164,8 @@ class Ingress:
                 "ingress": {"chat_in_flight": sum(a.in_flight for a in admissions.values()),
                             "chat_waiting": sum(a.waiting for a in admissions.values()),
                             "chat_limit": self.settings.max_chat_inflight, "chat_refused": self.chat_refused.total,
-                            "chat_streams_continued": self.streams_continued.total}}
+                            "chat_streams_continued": self.streams_continued.total,
+                            "token_channel": self.channel.stats() if self.channel is not None else None}}
 
     @app.post("/v1/systemone")
     async def systemone(self, request: Request):
@@ -257,7 +262,7 @@ class Ingress:
         goes back when the generation ends (a streamed response takes it along, to its stream's end)."""
         slot = await self.chat_admissions[model.name].enter()
         try:
-            stream = ChatStream(model.stream, gen, self.retry, resumable, self.streams_continued.inc)
+            stream = ChatStream(model.stream, gen, self.retry, resumable, self.streams_continued.inc, self.channel)
             return await respond(stream, completion, req.stream, req.include_usage, slot)
         except BaseException:
             slot.release()

@@ -15,8 +15,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from core.chat.protocol import ENGINE_STOPPED_CODE, GenerateRequest, StreamError, decode_message
+from core.chat.protocol import ENGINE_STOPPED_CODE, GenerateRequest, OnChannel, StreamError, decode_message
 
+from .channel import END, ChannelLost, ChannelServer, Sink
 from .errors import APIError, error
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ class EngineStopped(Exception):
     killing it, took the engine first), so the call goes to another one as for a lost replica."""
 
 
-REPLICA_LOST = (RayActorError, ActorUnavailableError, EngineStopped)
+REPLICA_LOST = (RayActorError, ActorUnavailableError, EngineStopped, ChannelLost)
 
 
 class RetryPolicy:
@@ -61,13 +62,22 @@ class ChatStream:
     state), retried as `retry` says: the reader sees one uninterrupted stream, and a greedy or seeded generation
     gives the tokens an unbroken run would have. Only a generation of one prompt and one sample continues (the
     engine resumes one sample's state); another ends with the error, as does one whose retries run out.
-    `on_continue()` is called each time the stream moves."""
+    `on_continue()` is called each time the stream moves.
+
+    With `channel` (this Ingress replica's token channel), the request carries a ticket for it: a replica that
+    takes it sends its first message through Serve, marked OnChannel, and the rest on the channel, where they
+    arrive in this stream's sink; the Serve call stays open meanwhile (Serve counts it, and cancelling it stops
+    the generation), and a task passes its failure, if any, into the sink."""
 
     def __init__(self, handle: DeploymentHandle, request: GenerateRequest, retry: RetryPolicy, resumable: bool,
-                 on_continue: Callable[[], None] | None = None):
+                 on_continue: Callable[[], None] | None = None, channel: ChannelServer | None = None):
         self.handle, self.request, self.retry, self.resumable = handle, request, retry, resumable
         self.on_continue = on_continue
+        self.channel = channel
         self.stream = None
+        self.sink: Sink | None = None      # while the messages come on the channel
+        self.number = 0                    # the stream's number on the channel
+        self.watcher: asyncio.Task | None = None
         self.tokens: list[int] = []        # token ids received, in order (the one sample's)
         self.ended = False                 # a finish or an error was received
         self.continued = 0                 # times the generation moved to another replica
@@ -81,14 +91,30 @@ class ChatStream:
 
     async def _open(self, request: GenerateRequest) -> list:
         self.cancel()
-        self.stream = self.handle.generate.remote(request)
-        return self._record(await self.stream.__anext__())
+        sink = None
+        if self.channel is not None:
+            ticket, sink = await self.channel.open()
+            self.number = ticket.stream
+            request = request.resumed(list(request.resume), ticket)
+        self.stream = stream = self.handle.generate.remote(request)
+        try:
+            batch = decode_message(await stream.__anext__())
+        except BaseException:
+            if sink is not None:
+                self.channel.close(self.number)
+            raise
+        if batch and isinstance(batch[0], OnChannel):
+            batch = batch[1:]
+            self.sink = sink
+            self.watcher = asyncio.ensure_future(_watch(stream, sink))
+        elif sink is not None:             # the replica kept to the Serve call
+            self.channel.close(self.number)
+        return self._records(batch)
 
-    def _record(self, message: bytes) -> list:
-        """A message of the chat deployment -> its records (Delta | StreamError), the tokens noted. A replica's
-        engine that stopped raises EngineStopped (a message of that error alone) where the stream can go on
-        elsewhere: before anything was delivered, or when it is resumable."""
-        batch = decode_message(message)
+    def _records(self, batch: list) -> list:
+        """A message's records (Delta | StreamError), the tokens noted. A replica's engine that stopped raises
+        EngineStopped (a message of that error alone) where the stream can go on elsewhere: before anything was
+        delivered, or when it is resumable."""
         for ev in batch:
             if isinstance(ev, StreamError):
                 if ev.code == ENGINE_STOPPED_CODE and (self.resumable or not self.started) and len(batch) == 1:
@@ -103,9 +129,19 @@ class ChatStream:
     def __aiter__(self):
         return self
 
+    async def _next_message(self) -> bytes:
+        if self.sink is None:
+            return await self.stream.__anext__()
+        item = await self.sink.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item == END:
+            raise StopAsyncIteration
+        return item
+
     async def __anext__(self) -> list:
         try:
-            return self._record(await self.stream.__anext__())
+            return self._records(decode_message(await self._next_message()))
         except REPLICA_LOST as e:
             if not self.resumable or self.ended:
                 raise
@@ -119,5 +155,23 @@ class ChatStream:
 
     def cancel(self) -> None:
         """Stop the generation on its replica (its rows are freed at the engine's next step)."""
+        if self.watcher is not None:
+            self.watcher.cancel()
+            self.watcher = None
+        if self.sink is not None:
+            self.channel.close(self.number)
+            self.sink = None
         if self.stream is not None:
             self.stream.cancel()
+
+
+async def _watch(stream, sink: Sink) -> None:
+    """While a stream's messages come on the channel: anything more its Serve call yields, and its failure,
+    go into the sink (its normal end says nothing: the channel's END does)."""
+    try:
+        async for message in stream:
+            sink.put(message)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        sink.put(e)

@@ -140,6 +140,8 @@ class IngressSettings(BaseModel):
     max_chat_inflight: int | None = None            # generations one Ingress replica sends the chat model at once
     max_chat_waiting: int = 64                      # more waiting in the Ingress for a slot; beyond: 503
     refusal_delay_s: float = Field(0.0, ge=0, le=10)   # how long a refused generation waits for its 503
+    token_channel: bool = True                      # chat messages after the first on one connection per chat
+                                                    # replica (deployments/channel.py), not one Serve message each
 
     def with_env_keys(self) -> "IngressSettings":
         """These settings with the keys of `api_keys_env` (read now, in the process that builds the app) added."""

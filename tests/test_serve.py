@@ -1,5 +1,6 @@
 """The Ray Serve application end to end over HTTP: one in-process Serve instance for the whole module."""
 import asyncio
+import collections
 import os
 import math
 import json
@@ -52,7 +53,7 @@ def service(serve_url, tmp_path_factory, tokenizer):
                 max_messages=16, max_message_chars=2000, chat_stream_interval=3,
                 decision_model_aliases=["jev-latest"])   # tokens grouped after the first text
     keyed = dict(args, api_keys=["sekrit"], chat_max_rows=2, max_chat_inflight=2, max_chat_waiting=1,
-                 refusal_delay_s=0.2)
+                 refusal_delay_s=0.2, token_channel=False)   # every chat message through Serve
     serve.run_many([serve.RunTarget(wire(AppArgs(**args), options), name="open", route_prefix="/"),    # together
                     serve.RunTarget(wire(AppArgs(**keyed), options), name="keyed", route_prefix="/keyed")])
     yield serve_url
@@ -142,6 +143,56 @@ def test_sixteen_concurrent_streams_interleave(service):
     spans = sorted((t[0], t[-1]) for t, _ in results)
     overlapping = sum(1 for (s1, e1), (s2, e2) in zip(spans, spans[1:]) if s2 < e1)
     assert overlapping >= 8, "streams must run side by side, not one after another"
+
+
+def choices_of_stream(url, body, headers=None) -> tuple[dict, dict]:
+    """A streamed chat completion gathered per choice: {index: (text, [(token, logprob, top tokens)],
+    finish_reason)} and the usage chunk."""
+    body = dict(body, stream=True, stream_options={"include_usage": True})
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=180) as r:
+        assert r.status_code == 200, r.read()
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    text, logprobs, finish, usage = collections.defaultdict(str), collections.defaultdict(list), {}, None
+    for chunk in events[:-1]:
+        assert "error" not in chunk, chunk
+        usage = chunk.get("usage") or usage
+        for c in chunk["choices"]:
+            text[c["index"]] += c["delta"].get("content") or ""
+            for entry in (c.get("logprobs") or {}).get("content") or []:
+                logprobs[c["index"]].append((entry["token"], entry["logprob"],
+                                             [t["token"] for t in entry["top_logprobs"]]))
+            finish[c["index"]] = c["finish_reason"] or finish.get(c["index"])
+    return {i: (text[i], logprobs[i], finish[i]) for i in text}, usage
+
+
+def test_streams_on_the_token_channel_match_streams_through_serve(service):
+    """Ten streams at once on the open app, where the chat replica sends every message after a stream's first on
+    the Ingress's token channel, give per choice the text, logprobs, finish and usage that the same requests give
+    one at a time on the keyed app, which has the channel off (every message a Serve message). The channel
+    carried them in frames that each hold several streams' messages."""
+    key = {"Authorization": "Bearer sekrit"}
+    channel = lambda: httpx.get(f"{service}/debug/stats").json()["ingress"]["token_channel"]   # noqa: E731
+    assert httpx.get(f"{service}/keyed/debug/stats", headers=key).json()["ingress"]["token_channel"] is None
+    bodies = [{"messages": user(f"the cat {i} sat"), "max_tokens": 20 + i, "temperature": 1.0, "seed": i,
+               "n": 1 + i % 2, "logprobs": True, "top_logprobs": 2} for i in range(10)]
+    before = channel()
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        got = list(pool.map(lambda b: choices_of_stream(service, b), bodies))
+    after = channel()
+    expected = [choices_of_stream(f"{service}/keyed", b, headers=key) for b in bodies]
+    for body, (choices, usage), (ref, ref_usage) in zip(bodies, got, expected):
+        assert usage == ref_usage and choices.keys() == ref.keys(), body
+        for (text, logprobs, finish), (ref_text, ref_logprobs, ref_finish) in zip(choices.values(), ref.values()):
+            assert (text, finish) == (ref_text, ref_finish) == (text, "length"), body
+            # the same tokens; their logprobs as batches of other sizes compute them
+            assert [(t, top) for t, _, top in logprobs] == [(t, top) for t, _, top in ref_logprobs], body
+            assert [lp for _, lp, _ in logprobs] == pytest.approx([lp for _, lp, _ in ref_logprobs], abs=1e-3)
+    frames, messages = after["frames"] - before["frames"], after["messages"] - before["messages"]
+    assert after["connections"] >= 1 and after["open_streams"] == 0
+    # each request's messages after its first came on the channel (3 tokens a message after the first text)
+    assert messages >= sum((20 + i) * (1 + i % 2) // 3 - 2 for i in range(10)) // 2, (messages, frames)
+    assert frames < messages, "a frame carries the messages of every stream that had one in that loop turn"
 
 
 def test_disconnect_frees_rows_for_waiting_request(service):

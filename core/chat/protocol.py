@@ -178,6 +178,17 @@ class ChatModelInfo(msgspec.Struct, frozen=True):
     tool_format: ToolFormat | None = None
 
 
+class ChannelTicket(msgspec.Struct, frozen=True):
+    """Where a generation's messages after the first may go instead of its Serve call (deployments/channel.py):
+    the Ingress replica's token channel (host, port), the key both ends prove they hold, and the stream's
+    number on that channel."""
+
+    host: str
+    port: int
+    key: bytes
+    stream: int
+
+
 class GenerateRequest(msgspec.Struct, frozen=True):
     """One generation for the chat deployment: a conversation (`messages`, rendered by its chat template) or raw
     `prompts` (text or token ids, one stream each; sample i of prompt p is choice p * n + i). `resume`: the
@@ -187,14 +198,15 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     messages: tuple[dict, ...] | None = None
     prompts: tuple[str | tuple[int, ...], ...] | None = None
     resume: tuple[int, ...] = ()
+    channel: ChannelTicket | None = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompts is None):
             raise EngineError("a generation takes either messages or prompts")
 
-    def resumed(self, tokens: list[int]) -> "GenerateRequest":
-        """This request, continuing from `tokens`."""
-        return GenerateRequest(self.params, self.messages, self.prompts, tuple(tokens))
+    def resumed(self, tokens: list[int], channel: ChannelTicket | None = None) -> "GenerateRequest":
+        """This request, continuing from `tokens` (its messages on `channel`)."""
+        return GenerateRequest(self.params, self.messages, self.prompts, tuple(tokens), channel)
 
 
 # ---- what comes back
@@ -259,6 +271,10 @@ class StreamError(msgspec.Struct, frozen=True, array_like=True, tag_field="recor
     code: str | None = None
 
 
+class OnChannel(msgspec.Struct, frozen=True, array_like=True, tag_field="record", tag="channel"):
+    """First in a stream's first message: the messages after it come on the request's token channel."""
+
+
 class Delta(msgspec.Struct, frozen=True, array_like=True, tag_field="record", tag="delta"):
     """What one sample produced since its stream's last message, as the chat deployment hands it to the Ingress:
     consecutive tokens of one segment in one record (their ids, their text joined, their logprobs as clients
@@ -284,7 +300,7 @@ class Delta(msgspec.Struct, frozen=True, array_like=True, tag_field="record", ta
 # record there is pickled; a pickle starts with 0x80, a msgpack array never does). Functions, not the codecs'
 # bound methods: Ray pickles the deployments that call them, and codecs do not pickle.
 _ENCODER = msgspec.msgpack.Encoder()
-_MESSAGE = msgspec.msgpack.Decoder(list[Delta | StreamError])
+_MESSAGE = msgspec.msgpack.Decoder(list[Delta | StreamError | OnChannel])
 _EVENTS = msgspec.msgpack.Decoder(list[TokenEvent])
 
 

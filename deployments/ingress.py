@@ -74,8 +74,9 @@ class Ingress:
                                                   on_change=functools.partial(self._admission_changed, m.name),
                                                   on_refusal=self.chat_refused.inc)
                                 for m in self.registry.of_kind("chat")}
-        # the token channel listens on this node's address (where the chat replicas reach it), on first use
-        self.channel = ChannelServer(ray.util.get_node_ip_address()) if settings.token_channel else None
+        # the token channel listens from first use, by default on this node's address (where chat replicas reach it)
+        self.channel = (ChannelServer(settings.token_channel_host or ray.util.get_node_ip_address())
+                        if settings.token_channel else None)
         self.streams_continued = Tally("chat_streams_continued_total",
                                        "Generations moved to another chat replica after theirs was lost.")
         app.state.ingress = self    # RefuseWhenFull reads the admission and key check here (one Ingress per process)

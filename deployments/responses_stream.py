@@ -11,9 +11,10 @@
 from __future__ import annotations
 
 import copy
-import json
 import time
 import uuid
+
+import msgspec
 
 from core.chat.grammars import ToolPlan
 from core.chat.protocol import SamplingParams
@@ -22,6 +23,9 @@ from .completion import Completion
 from .openai_shapes import (ResponseInputTokensDetails, ResponseObject, ResponseOutputTokensDetails,
                             ResponseUsage)
 from .responses_api import ResponsesRequest
+
+
+_JSON = msgspec.json.Encoder()
 
 
 def _responses_tool(tool: dict) -> dict:
@@ -170,4 +174,4 @@ class ResponseBuilder:
 
     @staticmethod
     def encode(event: dict) -> str:
-        return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+        return f"event: {event['type']}\ndata: {_JSON.encode(event).decode()}\n\n"

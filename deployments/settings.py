@@ -142,6 +142,8 @@ class IngressSettings(BaseModel):
     refusal_delay_s: float = Field(0.0, ge=0, le=10)   # how long a refused generation waits for its 503
     token_channel: bool = True                      # chat messages after the first on one connection per chat
                                                     # replica (deployments/channel.py), not one Serve message each
+    token_channel_host: str | None = None           # where the channel listens (default: the node's address,
+                                                    # where chat replicas on other nodes reach it)
 
     def with_env_keys(self) -> "IngressSettings":
         """These settings with the keys of `api_keys_env` (read now, in the process that builds the app) added."""

@@ -289,6 +289,10 @@ def check_listeners(svc: ReadmeService) -> None:
     assert ours[svc.side_ports["RAY_SERVE_HAPROXY_STATS_PORT"]] == ("haproxy", "127.0.0.1")
     assert ours[svc.side_ports["RAY_SERVE_HAPROXY_METRICS_PORT"]] == ("haproxy", "127.0.0.1")
     assert ours[svc.side_ports["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"]][1] == "127.0.0.1"
+    # the Ingress's token channel, open since check_answers' streams
+    channel = httpx.get(f"{svc.url}/debug/stats", timeout=10).json()["ingress"]["token_channel"]
+    host, port = channel["address"].rsplit(":", 1)
+    assert channel["messages"] > 0 and host == "127.0.0.1" and ours[int(port)] == ("ray::ServeRepli", "127.0.0.1")
     wide = [(pid, name, addr, port) for pid, name, addr, port in sockets if not loopback(addr)]
     replicas = {pid for pid in svc.members() if comm(pid).startswith("ray::ServeRepli")}
     assert len(replicas) == 3

@@ -10,7 +10,9 @@ A generation here is: prompt ids (the chat template, or raw prompts after <|bos|
 prompt (merged), then one loop over the engine client's deliveries (held as `stream_interval` and
 `stream_interval_s` say, in the engine client's receiving thread): metrics once per delivery, the delivery's
 events as Deltas (a choice's consecutive tokens in one record, logprobs as clients see them), one encoded
-message to the Ingress.
+message to the Ingress: the first through Serve, the rest on the Ingress replica's token channel when the
+request has a ticket for it (deployments/channel.py: one frame per loop turn for all of the replica's
+streams to that Ingress replica).
 """
 from __future__ import annotations
 

@@ -169,6 +169,11 @@ class Completion:
     # how generation.events writes a stream of these chunks
     done = "data: [DONE]\n\n"
 
+    @property
+    def finished(self) -> bool:
+        """Every choice has its finish reason (only the closing chunks are left)."""
+        return all(f is not None for f in self.finish)
+
     def last_chunks(self, include_usage: bool) -> list[dict]:
         return [self.usage_chunk()] if include_usage else []
 

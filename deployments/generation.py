@@ -47,37 +47,34 @@ async def respond(stream: ChatStream, completion, streamed: bool, include_usage:
 
 
 async def events(stream: ChatStream, first: list, completion, include_usage: bool, slot: Slot):
-    """The SSE body: the first chunks, one write per batch of ready events, the closing chunks (chat: the usage
-    chunk when asked), then the end marker (chat: [DONE]). `completion` encodes them (a Completion, or the
-    Responses API's ResponseBuilder). A failure ends it with an error event, never a hang."""
+    """The SSE body: one write per batch of ready events, the first batch's with the opening chunks before it,
+    and the batch that finishes every choice with the closing chunks (chat: the usage chunk when asked) and the
+    end marker (chat: [DONE]) after it: every write costs a socket write here and in HAProxy. `completion`
+    encodes them (a Completion, or the Responses API's ResponseBuilder). A failure ends it with an error
+    event, never a hang; one after every choice finished loses nothing and ends it as usual."""
     encode = completion.encode
+    text = [encode(chunk) for chunk in completion.first_chunks()]
     try:
-        for chunk in completion.first_chunks():
-            yield encode(chunk)
-        batch, failed = first, False
-        while not failed:
-            text = []
+        batch = first
+        while True:
             for event in batch:
                 if isinstance(event, StreamError):
-                    text.append(encode(completion.error_chunk(APIError.of(event).body)))
-                    failed = True
-                    break
+                    yield "".join(text) + encode(completion.error_chunk(APIError.of(event).body)) + completion.done
+                    return
                 text += [encode(chunk) for chunk in completion.feed(event)]
-            if text:
+            if text and not completion.finished:   # a finished one's last chunks wait for the end, right behind
                 yield "".join(text)
-            if failed:
-                break
+                text = []
             try:
                 batch = await stream.__anext__()
             except StopAsyncIteration:
-                for chunk in completion.last_chunks(include_usage):
-                    yield encode(chunk)
                 break
-        yield completion.done
     except Exception as e:   # lost mid-stream and not continued: end with an error event, never hang
-        logger.warning("chat stream failed: %r", e)
-        yield encode(completion.error_chunk(INTERRUPTED))
-        yield completion.done
+        if not completion.finished:
+            logger.warning("chat stream failed: %r", e)
+            yield "".join(text) + encode(completion.error_chunk(INTERRUPTED)) + completion.done
+            return
     finally:
         stream.cancel()      # the client went away (or we are done): free the engine's rows
         slot.release()
+    yield "".join(text + [encode(chunk) for chunk in completion.last_chunks(include_usage)] + [completion.done])

@@ -52,6 +52,10 @@ class ResponseBuilder:
         self.finish: str | None = None
 
     # ---- the response object
+    @property
+    def finished(self) -> bool:
+        return self.chat.finished
+
     def _object(self, status: str) -> ResponseObject:
         req, p = self.req, self.params
         text_format = (req.text or {}).get("format") or {"type": "text"}

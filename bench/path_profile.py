@@ -145,6 +145,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seconds", type=int, default=20, help="py-spy sampling time per process")
     p.add_argument("--gil", action="store_true", help="py-spy samples only the thread holding the GIL")
+    p.add_argument("--top", type=int, default=15, help="py-spy: how many functions to print per process")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an application argument over serve_config.cpu.yaml's (YAML value), e.g. chat_stream_interval=8")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="added to the service's environment")
@@ -194,7 +195,7 @@ def main() -> None:
                     server.url, None, streams, per_client, args.max_tokens, ids),))
             result["py_spy"] = profile_processes(args.py_spy, pids, ("Ingress replica", "chat replica",
                                                  "chat engine process", "Serve proxy"), loaded, args.seconds,
-                                                 gil=args.gil)
+                                                 top=args.top, gil=args.gil)
     finally:
         server.stop()
     if args.json:

@@ -64,11 +64,12 @@ class Sink:
     """One stream's messages as they arrive at the Ingress, from its channel and from its Serve call alike:
     bytes (an encoded message; END ends the stream) or an exception to raise to the reader."""
 
-    __slots__ = ("items", "waiter")
+    __slots__ = ("items", "waiter", "source")
 
     def __init__(self) -> None:
         self.items: list = []
         self.waiter: asyncio.Future | None = None
+        self.source: object | None = None   # the connection its messages came on (failed with it)
 
     def put(self, item) -> None:
         self.items.append(item)
@@ -121,7 +122,6 @@ class ChannelServer:
         self.sinks.pop(number, None)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        seen: set[int] = set()            # the streams this connection has carried, failed if it is lost
         try:
             await asyncio.wait_for(_prove(reader, writer, self.key), 10)
         except (Exception, asyncio.TimeoutError) as e:
@@ -129,7 +129,7 @@ class ChannelServer:
             writer.close()
             return
         self.connections += 1
-        sinks = self.sinks
+        sinks, source = self.sinks, object()
         try:
             while True:
                 (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
@@ -141,15 +141,13 @@ class ChannelServer:
                 for number, message in items:
                     sink = sinks.get(number)
                     if sink is not None:
-                        seen.add(number)
+                        sink.source = source
                         sink.put(message)
-                        if message == END:
-                            seen.discard(number)
         except (asyncio.IncompleteReadError, ConnectionError, ValueError, msgspec.DecodeError) as e:
+            # every open stream this connection carried fails (the closed ones are gone from `sinks`)
             lost = ChannelLost(f"the token channel from a chat replica closed ({type(e).__name__})")
-            for number in seen:
-                sink = sinks.get(number)
-                if sink is not None:
+            for sink in list(sinks.values()):
+                if sink.source is source and not (sink.items and sink.items[-1] == END):
                     sink.put(lost)
         finally:
             self.connections -= 1

@@ -98,6 +98,7 @@ class ChannelServer:
         self._server: asyncio.AbstractServer | None = None
         self._starting: asyncio.Lock | None = None
         self.connections = 0              # chat replicas connected now
+        self._writers: set[asyncio.StreamWriter] = set()
         self.frames = self.messages = 0   # received since start (the Ingress's /debug/stats)
 
     async def start(self) -> None:
@@ -129,6 +130,7 @@ class ChannelServer:
             writer.close()
             return
         self.connections += 1
+        self._writers.add(writer)
         sinks, source = self.sinks, object()
         try:
             while True:
@@ -151,6 +153,7 @@ class ChannelServer:
                     sink.put(lost)
         finally:
             self.connections -= 1
+            self._writers.discard(writer)
             writer.close()
 
     def stats(self) -> dict:
@@ -158,6 +161,9 @@ class ChannelServer:
                 "frames": self.frames, "messages": self.messages}
 
     async def stop(self) -> None:
+        """Stop listening and close the chat replicas' connections (their streams end as lost)."""
+        for writer in list(self._writers):
+            writer.close()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -230,7 +236,8 @@ class ChannelPool:
                 raise
             return reader, writer
         reader, writer = await asyncio.wait_for(connect(), self.timeout_s)
-        channel = self.channels[(ticket.host, ticket.port, ticket.key)] = Channel(writer)
+        key = (ticket.host, ticket.port, ticket.key)
+        channel = self.channels[key] = Channel(writer)
 
         async def watch():                # the Ingress never writes after the handshake: a read ends on close
             try:
@@ -238,6 +245,8 @@ class ChannelPool:
             finally:
                 channel.closed = True
                 writer.close()
+                if self.channels.get(key) is channel:   # an Ingress replica that has gone leaves no entry
+                    del self.channels[key]
         channel.watcher = asyncio.ensure_future(watch())
         return channel
 

@@ -86,11 +86,20 @@ def test_a_lost_connection_fails_the_streams_it_carried_and_no_others():
         assert await s1.get() == b"a"
         lost = await s1.get()
         await server.stop()
-        return lost, s2.items, s3.items
+        # and a chat replica forgets a channel whose Ingress replica went away (here: closed by the Ingress)
+        other = ChannelServer()
+        ticket, _ = await other.open()
+        await pool.get(ticket)
+        await asyncio.sleep(0.05)              # the Ingress's end finishes its half of the handshake
+        entries = len(pool.channels)
+        await other.stop()
+        await asyncio.sleep(0.05)
+        return lost, s2.items, s3.items, entries, len(pool.channels)
 
-    lost, rest2, rest3 = run(main())
+    lost, rest2, rest3, entries, left = run(main())
     assert isinstance(lost, ChannelLost)
     assert rest2 == [b"b", END] and rest3 == []
+    assert entries >= 1 and left == entries - 1
 
 
 def tok(t, finish=None):

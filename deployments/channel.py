@@ -123,14 +123,15 @@ class ChannelServer:
         self.sinks.pop(number, None)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)         # from the start: stop() closes connections still in the handshake
         try:
             await asyncio.wait_for(_prove(reader, writer, self.key), 10)
         except (Exception, asyncio.TimeoutError) as e:
             logger.warning("token channel: refused a connection from %s: %r", writer.get_extra_info("peername"), e)
+            self._writers.discard(writer)
             writer.close()
             return
         self.connections += 1
-        self._writers.add(writer)
         sinks, source = self.sinks, object()
         try:
             while True:
@@ -196,6 +197,13 @@ class Channel:
             self.writer.write(_HEADER.pack(len(payload)) + payload)
         except (ConnectionError, RuntimeError):
             self.closed = True
+
+    async def sent(self) -> None:
+        """Wait for the next loop turn's frame to be written; raise ChannelLost if the connection is gone."""
+        await asyncio.sleep(0)
+        if self.closed or self.writer.is_closing():
+            self.closed = True
+            raise ChannelLost("the token channel to the Ingress is closed")
 
     async def drained(self) -> None:
         """Wait while the connection has too much unsent (an Ingress that does not keep up)."""

@@ -125,6 +125,8 @@ REFUSED = (PromptError, SamplingError, EngineError, EngineFull, EngineDied)
 MODEL_FAILED = StreamError("the model failed while generating", "server_error")
 ENGINE_STOPPED = StreamError("the chat engine stopped while generating; retry the request", "server_error",
                              code=ENGINE_STOPPED_CODE)
+CHANNEL_LOST = StreamError("the chat stream's connection to the Ingress was lost; retry the request", "server_error",
+                           code=ENGINE_STOPPED_CODE)
 
 
 async def merged(streams: list) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
@@ -267,7 +269,8 @@ class ChatModel:
         encoded (protocol.encode_message). With several prompts, sample i of prompt p is choice p * n + i. A
         refused request is one message of one StreamError; a failure mid-way ends the stream with one. With a
         token channel (request.channel), the first message starts with OnChannel and the rest, then END, go on
-        the channel; this call still ends only when the generation does."""
+        the channel; this call still ends only when the generation does, and a failure (the engine's, or the
+        channel's) goes through it, as a message the Ingress takes for a lost replica."""
         arrival = time.monotonic()
         streams: list = []
         try:
@@ -280,7 +283,6 @@ class ChatModel:
         number = request.channel.stream if channel is not None else 0
         last: dict[int, float] = {}
         n = request.params.n
-        ended = False
         try:
             prompt, batch = first
             records: list = [OnChannel()] if channel is not None else []
@@ -297,26 +299,21 @@ class ChatModel:
                     channel.put(number, encode_message(records))
                     await channel.drained()
                 if failed is not None:
-                    ended = True
-                    return
+                    break
                 records = []
                 try:
                     prompt, batch = await stream.__anext__()
                 except StopAsyncIteration:
                     self.metrics.e2e.observe(time.monotonic() - arrival)
-                    ended = True
-                    return
-        except EngineDied:
-            if channel is None:
-                yield encode_message([ENGINE_STOPPED])
-            else:
-                channel.put(number, encode_message([ENGINE_STOPPED]))
-                ended = True
-        except ChannelLost:
-            pass                           # the Ingress has lost the stream too, and continues or ends it
-        finally:
-            if ended and channel is not None and not channel.closed:
+                    break
+            if channel is not None:
                 channel.put(number, END)
+                await channel.sent()
+        except EngineDied:                 # through Serve either way: the Ingress continues from what it has
+            yield encode_message([ENGINE_STOPPED])
+        except ChannelLost:                # the channel broke under a live replica: the same, from what arrived
+            yield encode_message([CHANNEL_LOST])
+        finally:
             await stream.aclose()
             await close_all(streams)
 

@@ -296,6 +296,49 @@ def test_stream_interval_groups_tokens_after_the_first(checkpoint):
         ChatSettings(checkpoint=checkpoint, device="cpu", stream_interval=0)
 
 
+def test_chat_deployment_on_the_token_channel(checkpoint):
+    """With a channel ticket, the chat deployment sends its first message through its call, marked OnChannel,
+    and the rest, then END, on the channel: put end to end they are the stream without a ticket. When the
+    channel breaks under it mid-stream, the call ends with a message the Ingress takes for a lost replica."""
+    from core.chat.protocol import ENGINE_STOPPED_CODE, OnChannel
+    from deployments.channel import END, ChannelServer
+    from deployments.chat import ChatModel
+    from deployments.settings import ChatSettings
+
+    request = GenerateRequest(Params(max_tokens=12, temperature=1.0, seed=7, n=2),
+                              messages=({"role": "user", "content": "hello how are you"},))
+
+    async def on_channel(model, request, cut: bool = False):
+        server = ChannelServer()
+        ticket, sink = await server.open()
+        through_call = []
+        async for m in model.generate(request.resumed([], ticket)):
+            through_call.append(decode_message(m))
+            if cut and len(through_call) == 1:
+                await server.stop()                           # the connection goes after the first message
+        rest = []
+        while not cut and rest[-1:] != [END]:                 # the channel's frames, to the end
+            rest.append(await sink.get())
+        rest += sink.items
+        await server.stop()
+        return through_call, rest
+
+    model = ChatModel.func_or_class(ChatSettings(checkpoint=checkpoint, device="cpu", max_rows=4, process=False))
+    try:
+        plain = run(chat_messages(model, request))
+        through_call, rest = run(on_channel(model, request))
+        long = GenerateRequest(Params(max_tokens=400, temperature=1.0, seed=7), messages=request.messages)
+        cut_call, cut_rest = run(on_channel(model, long, cut=True))
+    finally:
+        model.engine.shutdown()
+    assert isinstance(through_call[0][0], OnChannel) and len(through_call) == 1 and rest[-1] == END
+    channelled = [through_call[0][1:]] + [decode_message(m) for m in rest[:-1]]
+    assert per_choice(r for m in channelled for r in m) == per_choice(r for m in plain for r in m)
+    assert len(cut_call) == 2 and END not in cut_rest
+    (lost,) = cut_call[1]
+    assert isinstance(lost, StreamError) and lost.code == ENGINE_STOPPED_CODE
+
+
 class DirectClient(EngineClient):
     """An engine client whose events the test hands over itself (`_deliver`), on a clock it sets."""
 

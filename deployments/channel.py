@@ -19,6 +19,7 @@ it, which the Ingress treats as a lost replica (resume.py).
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import hmac
 import itertools
@@ -67,7 +68,7 @@ class Sink:
     __slots__ = ("items", "waiter", "source")
 
     def __init__(self) -> None:
-        self.items: list = []
+        self.items: collections.deque = collections.deque()
         self.waiter: asyncio.Future | None = None
         self.source: object | None = None   # the connection its messages came on (failed with it)
 
@@ -83,7 +84,7 @@ class Sink:
                 await self.waiter
             finally:
                 self.waiter = None
-        return self.items.pop(0)
+        return self.items.popleft()
 
 
 class ChannelServer:
@@ -201,16 +202,17 @@ class Channel:
     async def sent(self) -> None:
         """Wait for the next loop turn's frame to be written; raise ChannelLost if the connection is gone."""
         await asyncio.sleep(0)
-        if self.closed or self.writer.is_closing():
-            self.closed = True
-            raise ChannelLost("the token channel to the Ingress is closed")
+        self._check()
 
     async def drained(self) -> None:
         """Wait while the connection has too much unsent (an Ingress that does not keep up)."""
         transport = self.writer.transport
         if transport.get_write_buffer_size() > HIGH_WATER_BYTES:
             await self.writer.drain()
-        if self.writer.is_closing():
+        self._check()
+
+    def _check(self) -> None:
+        if self.closed or self.writer.is_closing():
             self.closed = True
             raise ChannelLost("the token channel to the Ingress is closed")
 

@@ -286,6 +286,7 @@ class ChatModel:
         try:
             prompt, batch = first
             records: list = [OnChannel()] if channel is not None else []
+            first_message = True           # goes through Serve; with a channel, the rest go on it
             while True:
                 self.metrics.tokens(batch, arrival, last)
                 failed = next((k for k, ev in enumerate(batch) if ev.finish_reason == "error"), None)
@@ -293,8 +294,9 @@ class ChatModel:
                     records += deltas(self.tok, batch[:failed], prompt * n, bos_added[prompt]) + [MODEL_FAILED]
                 else:
                     records += deltas(self.tok, batch, prompt * n, bos_added[prompt])
-                if channel is None or records and isinstance(records[0], OnChannel):
+                if channel is None or first_message:
                     yield encode_message(records)
+                    first_message = False
                 else:
                     channel.put(number, encode_message(records))
                     await channel.drained()

@@ -11,6 +11,7 @@ import logging
 import time
 from typing import Awaitable, Callable
 
+import msgspec
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
@@ -95,7 +96,7 @@ class ChatStream:
         if self.channel is not None:
             ticket, sink = await self.channel.open()
             self.number = ticket.stream
-            request = request.resumed(list(request.resume), ticket)
+            request = msgspec.structs.replace(request, channel=ticket)
         self.stream = stream = self.handle.generate.remote(request)
         try:
             batch = decode_message(await stream.__anext__())

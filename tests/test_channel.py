@@ -64,7 +64,7 @@ def test_only_an_end_that_holds_the_key_gets_through():
         stats = server.stats()
         await server.stop()
         await impostor.stop()
-        return sink.items, stats
+        return list(sink.items), stats
 
     items, stats = run(main())
     assert items == [] and stats["frames"] == 0 and stats["connections"] == 0
@@ -94,7 +94,7 @@ def test_a_lost_connection_fails_the_streams_it_carried_and_no_others():
         entries = len(pool.channels)
         await other.stop()
         await asyncio.sleep(0.05)
-        return lost, s2.items, s3.items, entries, len(pool.channels)
+        return lost, list(s2.items), list(s3.items), entries, len(pool.channels)
 
     lost, rest2, rest3, entries, left = run(main())
     assert isinstance(lost, ChannelLost)

@@ -312,7 +312,7 @@ def test_chat_deployment_on_the_token_channel(checkpoint):
         server = ChannelServer()
         ticket, sink = await server.open()
         through_call = []
-        async for m in model.generate(request.resumed([], ticket)):
+        async for m in model.generate(msgspec.structs.replace(request, channel=ticket)):
             through_call.append(decode_message(m))
             if cut and len(through_call) == 1:
                 await server.stop()                           # the connection goes after the first message

@@ -204,9 +204,9 @@ class GenerateRequest(msgspec.Struct, frozen=True):
         if (self.messages is None) == (self.prompts is None):
             raise EngineError("a generation takes either messages or prompts")
 
-    def resumed(self, tokens: list[int], channel: ChannelTicket | None = None) -> "GenerateRequest":
-        """This request, continuing from `tokens` (its messages on `channel`)."""
-        return GenerateRequest(self.params, self.messages, self.prompts, tuple(tokens), channel)
+    def resumed(self, tokens: list[int]) -> "GenerateRequest":
+        """This request, continuing from `tokens`."""
+        return msgspec.structs.replace(self, resume=tuple(tokens))
 
 
 # ---- what comes back

@@ -90,7 +90,8 @@ def test_a_lost_connection_fails_the_streams_it_carried_and_no_others():
         other = ChannelServer()
         ticket, _ = await other.open()
         await pool.get(ticket)
-        await asyncio.sleep(0.05)              # the Ingress's end finishes its half of the handshake
+        while other.connections < 1:           # the Ingress's end finishes its half of the handshake
+            await asyncio.sleep(0.005)
         entries = len(pool.channels)
         await other.stop()
         await asyncio.sleep(0.05)

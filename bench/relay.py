@@ -21,6 +21,11 @@ The settings: `h200-32` (32 rows, 25,600 tokens/s: an H200's rate on the demo mo
 `h200-256` (256 rows at the same total rate), `max-512` (512 rows at one token per row per 1.25 ms: more
 than the path can take, so the path's ceiling). The scenarios: streamed chat and completions, with and
 without logprobs (top 2), n=4 (a quarter of the clients, four samples each).
+
+`--floor` runs the plain chat scenarios against bench.serve_floor's bare Serve app instead, paced as each
+setting's engine: a request's first token through a Serve call, the rest written by the bare Ingress at the
+hold `--set` gives (the GPU config's 64 tokens or 50 ms by default), nothing else: what a design that keeps a
+Serve call per request and an SSE write per message costs at the least.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ from pathlib import Path
 
 from bench.path_profile import TICK, cpu_ticks, name_of, profile_processes, session_pids
 from bench.sse import Connection, HTTPStatusError
+from bench.serve_floor import start_bare
 from bench.vllm_peer import ROOT, app_overrides, start_ours
 
 CHECKPOINT = ROOT / "models" / "demo-chat"
@@ -210,15 +216,27 @@ def main() -> None:
                    help="an application argument over the benchmark's (YAML value), e.g. chat_stream_interval=8")
     p.add_argument("--py-spy", help="py-spy's path: profile each scenario's Python processes after measuring it")
     p.add_argument("--profile-seconds", type=int, default=10)
+    p.add_argument("--floor", action="store_true",
+                   help="instead of the service, bench.serve_floor's bare Serve app paced as the setting's engine "
+                        "(first token through Serve, the rest written by its Ingress at the hold --set gives, "
+                        "default the GPU config's 64 tokens or 50 ms): the least any design that keeps a Serve call "
+                        "per request and an SSE write per message can cost")
     p.add_argument("--json")
     args = p.parse_args()
     chosen = [sc for sc in SCENARIOS if not args.only or sc.name in args.only]
+    if args.floor and any(sc.route != "chat" or sc.logprobs or sc.n != 1 for sc in chosen):
+        p.error("--floor paces plain streams only: choose chat-32, chat-256, chat-256-max or chat-512-max")
     results = {}
     for setting in dict.fromkeys(sc.setting for sc in chosen):
         s = SETTINGS[setting]
         app, deployments = service_args(s, app_overrides(args.set))
         work = Path(tempfile.mkdtemp(prefix="relay-"))
-        server = start_ours(CHECKPOINT, work, app, deployments=deployments)
+        if args.floor:
+            every, every_s = app.get("chat_stream_interval", 64), app.get("chat_stream_interval_s", 0.05)
+            hold = min(every, max(1, round(every_s / s.step_s))) if every_s else every
+            server = start_bare(work, hold, s.step_s)
+        else:
+            server = start_ours(CHECKPOINT, work, app, deployments=deployments)
         try:
             server.wait_ready()
             for sc in (sc for sc in chosen if sc.setting == setting):

@@ -27,7 +27,11 @@ its venv, so that what each HTTP path keeps of its engine is in the same run.
 
 With `--serve-bench ... --servers ours before --before DIR` the same workloads run against this checkout's
 service and an earlier one's (a git worktree: started on this venv with DIR first on the Python path and its
-own kernel build), alternating: a before/after comparison of the project itself.
+own kernel build), alternating: a before/after comparison of the project itself. `variant` is ours with
+`--deploy DEPLOYMENT.OPTION=VALUE` over the CPU config's deployments (e.g. `ChatModel.num_replicas=2`);
+`engine-1` and `engine-2` run this project's engine alone on each workload's prompts (the same shapes, 32 at a
+time, in a child process on 1 or 2 torch threads, no HTTP and no Ray): what the service could make if serving
+cost nothing.
 
 Prints a table per max_tokens: tokens/s at `--streams` and at 1, time to first token p50, for each server and
 run, and the engines' offline tokens/s. Both servers and the load generator share the machine's cores, as in
@@ -138,6 +142,16 @@ def start_ours(checkpoint: Path, work: Path, args: dict | None = None, env: dict
            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()), **(env or {})}
     return Server([str(Path(sys.executable).parent / "startlux"), "serve", str(config)], env, work / "ours.log",
                   f"http://127.0.0.1:{port}", "/healthz")
+
+
+def deployment_overrides(pairs: list[str]) -> dict[str, dict]:
+    """--deploy DEPLOYMENT.OPTION=VALUE arguments -> start_ours's `deployments` (each value read as YAML)."""
+    out: dict[str, dict] = {}
+    for kv in pairs:
+        key, value = kv.split("=", 1)
+        name, option = key.split(".", 1)
+        out.setdefault(name, {})[option] = yaml.safe_load(value)
+    return out
 
 
 def app_overrides(pairs: list[str]) -> dict:
@@ -253,29 +267,76 @@ def serve_bench(python: str, url: str, model: str, tokenizer: Path, workload: st
     return json.loads((work / name).read_text())
 
 
+def greedy(engine, prompts: list[list[int]], n: int, tag: str) -> int:
+    """Every prompt added to `engine` at once (it runs as many as it has rows for), `n` greedy tokens each with
+    ignore_eos, stepped until done -> the tokens made."""
+    from core.chat import SamplingParams
+
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), f"{tag}{i}")
+    tokens = 0
+    while engine.has_work():
+        tokens += sum(ev.token is not None for ev in engine.step())
+    return tokens
+
+
 def ours_offline(checkpoint: Path, ids: list[list[int]], max_tokens: int, threads: int, dtype: str = "auto") -> float:
     """This project's engine alone on `ids` at once, in `dtype` as chat_dtype reads it -> tokens/s."""
     import torch
 
-    from core.chat import LLMEngine, SamplingParams
+    from core.chat import LLMEngine
     from core.chat.weights import chat_dtype, load_chat_model
 
     torch.set_num_threads(threads)
     model, tok, _ = load_chat_model(str(checkpoint), "cpu", chat_dtype(dtype, torch.device("cpu"))[0])
     engine = LLMEngine(model, tok, max_rows=len(ids), prefill_chunk=4096)
-
-    def run(prompts, n):
-        for i, p in enumerate(prompts):
-            engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), f"r{i}")
-        tokens = 0
-        while engine.has_work():
-            tokens += sum(ev.token is not None for ev in engine.step())
-        return tokens
-
-    run(ids[:4], 8)
+    greedy(engine, ids[:4], 8, "warm")
     t0 = time.perf_counter()
-    tokens = run(ids, max_tokens)
+    tokens = greedy(engine, ids, max_tokens, "r")
     return tokens / (time.perf_counter() - t0)
+
+
+def workload_prompts(workload: str, vocab_ordinary: int, bos: int, n: int = 96, seed: int = 0) -> list[list[int]]:
+    """Prompts shaped as `vllm bench serve` makes `workload`'s (SERVE_WORKLOADS: exact input lengths; for
+    prefix_repetition 4 shared 256-token prefixes, each prompt one of them and 64 tokens of its own)."""
+    rng = random.Random(seed)
+    draw = lambda k: [rng.randrange(vocab_ordinary) for _ in range(k)]      # noqa: E731
+    if workload.startswith("random-"):
+        return [[bos] + draw(int(workload.split("-")[1]) - 1) for _ in range(n)]
+    prefixes = [[bos] + draw(255) for _ in range(4)]
+    return [prefixes[i % 4] + draw(64) for i in range(n)]
+
+
+def engine_alone(checkpoint: Path, workload: str, threads: int, dtype: str = "auto", concurrency: int = 32,
+                 max_tokens: int = 64) -> dict:
+    """This project's engine alone, in a child process of `threads` torch threads, on `workload`'s 96 prompts,
+    at most `concurrency` at once (the engine's rows), `max_tokens` each, greedy, ignore_eos: what the service
+    could make if serving cost nothing -> {"output_throughput": tokens/s}."""
+    code = "import sys; from bench.vllm_peer import engine_child; engine_child(*sys.argv[1:])"
+    out = subprocess.run([sys.executable, "-c", code, str(checkpoint), workload, str(threads), dtype, str(concurrency),
+                          str(max_tokens)], capture_output=True, text=True, timeout=1800, cwd=ROOT,
+                         start_new_session=True)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"the engine alone failed: {out.stderr[-2000:]}")
+
+
+def engine_child(checkpoint: str, workload: str, threads: str, dtype: str, rows: str, max_tokens: str) -> None:
+    """engine_alone's child: prints RESULT and the figures as JSON."""
+    import torch
+
+    from core.chat import LLMEngine
+    from core.chat.weights import chat_dtype, load_chat_model
+
+    torch.set_num_threads(int(threads))
+    model, tok, _ = load_chat_model(checkpoint, "cpu", chat_dtype(dtype, torch.device("cpu"))[0])
+    engine = LLMEngine(model, tok, max_rows=int(rows), prefill_chunk=4096)
+    greedy(engine, [[tok.bos_id, 5, 6, 7]] * 4, 8, "warm")
+    ids = workload_prompts(workload, min(tok.vocab_size, tok.bos_id), tok.bos_id)
+    t0 = time.perf_counter()
+    tokens = greedy(engine, ids, int(max_tokens), "r")
+    print("RESULT " + json.dumps({"output_throughput": tokens / (time.perf_counter() - t0), "tokens": tokens}))
 
 
 def vllm_offline(python: str, checkpoint: Path, ids: list[list[int]], max_tokens: int,
@@ -308,8 +369,13 @@ def main() -> None:
                         "or float32 (like for like)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an application argument of ours over serve_config.cpu.yaml's, e.g. chat_torch_threads=2")
-    p.add_argument("--servers", nargs="+", default=["ours", "vllm"], choices=("ours", "before", "vllm"),
-                   help="with --serve-bench: which servers, in this order on odd runs (reversed on even ones)")
+    p.add_argument("--deploy", action="append", default=[], metavar="DEPLOYMENT.OPTION=VALUE",
+                   help="for the server 'variant' (ours with these): one of our deployments' options over "
+                        "serve_config.cpu.yaml's, e.g. ChatModel.num_replicas=2")
+    p.add_argument("--servers", nargs="+", default=["ours", "vllm"],
+                   choices=("ours", "variant", "before", "vllm", "engine-1", "engine-2"),
+                   help="with --serve-bench: which servers, in this order on odd runs (reversed on even ones); "
+                        "engine-1|2: the engine alone on 1|2 torch threads, no service")
     p.add_argument("--before", type=Path, help="a checkout of this project to serve as 'before' (a git worktree of "
                    "an earlier commit), on this venv with that checkout first on the path")
     args = p.parse_args()
@@ -368,22 +434,32 @@ def serve_benches(args, overrides: dict, work: Path, ours_dir: Path, hf_dir: Pat
                 before = args.before.resolve()
                 server = start_ours(ours_dir, work, overrides, env={
                     "PYTHONPATH": str(before), "TORCH_EXTENSIONS_DIR": str(before / ".torch_extensions")})
+            elif name.startswith("engine-"):
+                server = None
             else:
-                server = start_ours(ours_dir, work, overrides)
+                server = start_ours(ours_dir, work, overrides,
+                                    deployments=deployment_overrides(args.deploy) if name == "variant" else None)
             try:
-                server.wait_ready()
+                if server is not None:
+                    server.wait_ready()
                 for w in args.serve_bench:
-                    r = serve_bench(args.vllm_python, server.url, "peer" if name == "vllm" else ours_dir.name,
-                                    hf_dir, w, work)
+                    model = "peer" if name == "vllm" else ours_dir.name
+                    r = (engine_alone(ours_dir, w, int(name.split("-")[1]), overrides["chat_dtype"]) if server is None
+                         else serve_bench(args.vllm_python, server.url, model, hf_dir, w, work))
                     results[w][name].append({k: r.get(k) for k in (
                         "output_throughput", "median_tpot_ms", "median_ttft_ms", "median_itl_ms", "p99_itl_ms",
                         "completed", "failed", "total_output_tokens")})
+                    if server is None:
+                        print(f"{w:18} {name:6} run {run + 1}: {r['output_throughput']:8.1f} tokens/s (the engine "
+                              f"alone, no serving)", flush=True)
+                        continue
                     print(f"{w:18} {name:6} run {run + 1}: {r['output_throughput']:8.1f} tokens/s, TPOT p50 "
                           f"{r['median_tpot_ms']:.1f} ms, TTFT p50 {r['median_ttft_ms']:.0f} ms, ITL p50 "
                           f"{r.get('median_itl_ms', 0):.1f} / p99 {r.get('p99_itl_ms', 0):.1f} ms, "
                           f"{r.get('completed')} done, {r.get('failed', 0)} failed", flush=True)
             finally:
-                server.stop()
+                if server is not None:
+                    server.stop()
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "dtype": args.dtype,
                                                "shape": args.shape, "serve_bench": results}, indent=2))

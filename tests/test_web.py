@@ -111,6 +111,15 @@ def test_chat_streams_the_answer(service, open_page):
     page = open_page(service + "/")
     expect(page.locator("#chat-model")).to_have_value("demo-chat")
     expect(page.locator("#decision-model")).to_have_value("startlux-decision")
+    # each tab shows its own model's picker only
+    expect(page.locator("#chat-model")).to_be_visible()
+    expect(page.locator("#decision-model")).to_be_hidden()
+    page.click("#tab-decide")
+    expect(page.locator("#decision-model")).to_be_visible()
+    expect(page.locator("#chat-model")).to_be_hidden()
+    page.click("#tab-chat")
+    expect(page.locator("#chat-model")).to_be_visible()
+    expect(page.locator("#decision-model")).to_be_hidden()
     page.fill("#chat-input", "first line")
     page.press("#chat-input", "Shift+Enter")                # a new line, not a send
     page.locator("#chat-input").press_sequentially("second line")

@@ -226,3 +226,55 @@ def _json(text: str):
         return json.loads(text)
     except ValueError:
         return None
+
+
+def test_the_held_out_sets_are_apart_from_the_training_data():
+    """tools/demo_heldout.py (#54): no question of its sets is one the training generator writes, none of its
+    tools is a training tool, none of its key sets a training key set; and each arithmetic question's value is the
+    calculator's for the expression meant (checked here by Python on the operands read back from the question)."""
+    import re
+
+    from tools import demo_heldout as H
+
+    rng = random.Random(7)
+    trained = set()
+    for _ in range(3000):
+        msgs, _ = D.conversation(rng)
+        _, tool_msgs, _ = D.tool_conversation(rng)
+        for m in msgs + tool_msgs + D.json_conversation(rng):
+            if m["role"] == "user":
+                trained.add(m["content"])
+    math = H.arithmetic_questions(H.SEEDS["arithmetic"], 200)
+    tools = H.tool_result_cases(H.SEEDS["tool_results"], 60)
+    keys = H.json_key_cases(H.SEEDS["json_keys"], 60)
+    asked = [q for q, _ in math] + [m[0]["content"] for _, m, _ in tools] + [q for q, _ in keys]
+    assert not trained & set(asked)
+    assert not set(H.NEW_TOOLS) & set(D.TOOLS)
+    assert not {frozenset(k) for k in H.KEY_SETS} & {frozenset(k) for k in D.JSON_KEYS}
+    words = {"plus": "+", "minus": "-", "times": "*", "multiplied by": "*", "divided by": "/", "over": "/",
+             "x": "*", "×": "*"}
+    checked = 0
+    for q, value in math:
+        for verb, op, swap in (("add", "+", False), ("sum", "+", False), ("subtract", "-", True),
+                               ("take", "-", True), ("multiply", "*", False), ("divide", "/", False)):
+            if f" {verb} " in f" {q.lower()} ":
+                a, b = map(int, re.findall(r"\d+", q)[:2])
+                expr = f"{b}{op}{a}" if swap else f"{a}{op}{b}"
+                break
+        else:
+            expr = q
+            for word, op in words.items():
+                expr = expr.replace(f" {word} ", op)
+            expr = "".join(ch for ch in expr.replace("x", "*").replace("×", "*") if ch in "0123456789+-*/")
+        got = eval(expr)                                             # noqa: S307 - digits and operators only
+        assert float(value) == (int(got) if float(got).is_integer() else got), (q, expr, value)
+        checked += 1
+    assert checked == len(math)
+    forms = {"spaced": any(re.search(r"\d [-+*/x×] \d", q) for q, _ in math),
+             "unspaced": any(re.search(r"\d[-+*/x×]\d", q) for q, _ in math),
+             "x": any(re.search(r"\d ?[x×] ?\d", q) for q, _ in math),
+             "words": all(any(f" {w} " in q for q, _ in math) for w in ("plus", "minus", "times", "divided by")),
+             "verbs": all(any(v in q.lower() for q, _ in math) for v in ("add ", "subtract ", "multiply ", "divide ")),
+             "chains": any(len(re.findall(r"[-+*]", q.replace("?", ""))) >= 2 for q, _ in math),
+             "four digits": any(re.search(r"\d{4}", q) for q, _ in math)}
+    assert all(forms.values()), forms

@@ -36,14 +36,86 @@ FACT_TEMPLATES = ["What is the capital of {c}?", "what is the capital of {c}", "
                   "What's the capital city of {c}?", "{c} capital?"]
 FOLLOW_FACT = ["And {c}?", "What about {c}?", "And the capital of {c}?", "How about {c}?"]
 
-OPS = {"+": ["plus", "+"], "-": ["minus", "-"], "*": ["times", "*", "multiplied by"]}
-MATH_TEMPLATES = ["What is {a} {op} {b}?", "what is {a} {op} {b}", "Compute {a} {op} {b}.", "{a} {op} {b} = ?",
-                  "Calculate {a} {op} {b}.", "How much is {a} {op} {b}?", "Please work out {a} {op} {b}."]
-FOLLOW_MATH = ["And {a} {op} {b}?", "Now {a} {op} {b}.", "What about {a} {op} {b}?"]
+# Arithmetic as people type it: the question is drawn from parts (a lead-in, the expression in symbols, words or
+# a verb, a tail, the case) so widely that only reading the expression fits; the calculator part is always the
+# expression meant, written plainly (`a*b`, "subtract 19 from 100" -> `100-19`).
+OPS = {"+": ["plus", "+", "and"], "-": ["minus", "-"], "*": ["times", "*", "multiplied by", "x", "×"],
+       "/": ["divided by", "/", "over"]}
+SYMBOL = {"+": ["+"], "-": ["-"], "*": ["*", "x", "×"], "/": ["/", "÷"]}
+VERB = {"+": ["add {a} and {b}", "add {b} to {a}", "the sum of {a} and {b}", "{a} added to {b}", "sum of {a} and {b}"],
+        "-": ["subtract {b} from {a}", "{b} subtracted from {a}", "the difference of {a} and {b}",
+              "{a} take away {b}", "{a} less {b}"],
+        "*": ["multiply {a} by {b}", "multiply {a} with {b}", "the product of {a} and {b}", "{a} multiplied with {b}"],
+        "/": ["divide {a} by {b}", "{a} split into {b} parts", "the quotient of {a} and {b}", "{a} shared by {b}"]}
+LEADS = ["What is", "what is", "What's", "whats", "Compute", "compute", "Calculate", "calculate", "Work out",
+         "Evaluate", "Find", "Figure out", "Please compute", "Can you calculate", "Could you work out", "Hey, what is",
+         "Do the math:", "Math:", "Question:", "How much is", "What do you get for", "Give me", "Help me with",
+         "I want to know", "Result of", "Answer:", "So what is", "Now compute", "", "", ""]
+TAILS = ["?", ".", "", "", " ?", "!", " = ?", "=?", " =", " please", ", please?", " for me?", " exactly?",
+         " thanks", " right now?"]
+VERB_LEADS = ["", "", "Please ", "Can you ", "Could you ", "Now ", "OK, ", "Quickly ", "Help me ", "I need you to ",
+              "What is ", "What do I get if I ", "Try to ", "Go ahead and "]
+FOLLOW_LEADS = ["And", "Now", "What about", "and", "Then", "Next:", "Also"]
 
 
 def _number(rng: random.Random) -> int:
     return rng.randint(0, 10 ** rng.randint(1, 4) - 1)
+
+
+def _operands(rng: random.Random, op: str) -> tuple[int, int]:
+    """Integers up to four digits (a product's second up to three); a division comes out whole, or in halves
+    and quarters (what the calculator writes in a few digits)."""
+    if op == "/":
+        b = rng.choice([2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 16, 20, 24, 25, 32, 40, 50, 64, 100])
+        a = rng.randint(0, 9999 // b - 1) * b
+        if b % 4 == 0 and rng.random() < 0.3:
+            a += rng.choice([b // 2, b // 4])
+        return a, b
+    a, b = _number(rng), (rng.randint(0, 999) if op == "*" else _number(rng))
+    if op == "-" and rng.random() < 0.6:
+        a, b = max(a, b), min(a, b)
+    return a, b
+
+
+def _spaced(rng: random.Random, parts: list[str]) -> str:
+    sep = rng.choice([" ", " ", ""])
+    return sep.join(parts)
+
+
+def math_expression(rng: random.Random) -> tuple[str, str]:
+    """(the expression as a person types it, the expression meant in the calculator's syntax)."""
+    form = rng.random()
+    if form < 0.2:                                  # a chain of two operators, in symbols (Python's precedence)
+        ops = [rng.choice("+-*"), rng.choice("+-*")]
+        a, b, c = _number(rng), rng.randint(0, 999), rng.randint(0, 999)
+        shown = _spaced(rng, [str(a), rng.choice(SYMBOL[ops[0]]), str(b), rng.choice(SYMBOL[ops[1]]), str(c)])
+        return shown, f"{a}{ops[0]}{b}{ops[1]}{c}"
+    op = rng.choice("+-*/")
+    a, b = _operands(rng, op)
+    if form < 0.55:                                 # symbols, with or without spaces
+        return _spaced(rng, [str(a), rng.choice(SYMBOL[op]), str(b)]), f"{a}{op}{b}"
+    if form < 0.8:                                  # words
+        word = rng.choice([w for w in OPS[op] if w.isalpha() or " " in w] or OPS[op])
+        return f"{a} {word} {b}", f"{a}{op}{b}"
+    return rng.choice(VERB[op]).format(a=a, b=b), f"{a}{op}{b}"     # a verb or a phrase
+
+
+def math_question(rng: random.Random, follow: bool = False) -> tuple[str, str]:
+    """(a question, the calculator's expression)."""
+    shown, expr = math_expression(rng)
+    if follow:
+        q = f"{rng.choice(FOLLOW_LEADS)} {shown}{rng.choice(['?', '.', ''])}"
+    elif shown[0].isdigit() or rng.random() < 0.5:
+        lead = rng.choice(LEADS)
+        q = f"{lead} {shown}".strip() + rng.choice(TAILS)
+    else:
+        q = rng.choice(VERB_LEADS) + shown + rng.choice(["?", ".", "", "!"])
+    r = rng.random()
+    if r < 0.1:
+        q = q.lower()
+    elif r < 0.15:
+        q = q.upper()
+    return q, expr
 
 
 def fact_turn(rng, follow=False):
@@ -53,16 +125,13 @@ def fact_turn(rng, follow=False):
 
 
 def math_turn(rng, follow=False):
-    a, b = _number(rng), _number(rng)
-    op = rng.choice(list(OPS))
-    if op == "*":
-        b = rng.randint(0, 999)
-    word = rng.choice(OPS[op])
-    q = rng.choice(FOLLOW_MATH if follow else MATH_TEMPLATES).format(a=a, op=word, b=b)
-    value = eval(f"{a}{op}{b}")   # noqa: S307 - our own integers, for the training target only
-    parts = [{"type": "python", "text": f"{a}{op}{b}"}, {"type": "python_output", "text": str(value)},
+    from core.chat.calculator import format_result, use_calculator
+
+    q, expr = math_question(rng, follow)
+    value = format_result(use_calculator(expr))
+    parts = [{"type": "python", "text": expr}, {"type": "python_output", "text": value},
              {"type": "text", "text": f"The answer is {value}."}]
-    return q, parts, str(value)
+    return q, parts, value
 
 
 def greeting_turn(rng, follow=False):
@@ -121,11 +190,109 @@ def tool_definition(rng: random.Random, name: str) -> dict:
 
 
 def tool_result(rng: random.Random, name: str) -> str:
+    """A result of one of the named tools, in the forms such tools write it; a fifth of them anything at all
+    (the answer copies a result, whatever it is)."""
+    if rng.random() < 0.2:
+        return any_result(rng)
     if name == "get_weather":
-        return f"{rng.choice(WEATHER)}, {rng.randint(-10, 35)} C"
+        return rng.choice([f"{rng.choice(WEATHER)}, {rng.randint(-10, 35)} C", f"{word(rng)}, {rng.randint(-10, 35)} C",
+                           f"{rng.choice(WEATHER)} and {rng.randint(-10, 35)} degrees", rng.choice(WEATHER)])
     if name == "get_population":
         return population_text(rng)
-    return f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
+    return rng.choice([f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}",
+                       f"{rng.randint(1, 12)}:{rng.randint(0, 59):02d} {rng.choice(['am', 'pm', 'AM', 'PM'])}"])
+
+
+# ---- tools of any name, and results of any form: what the answer copies is whatever the tool wrote
+SYLLABLES = ("ka ri to mo lu ve sa ne di po ba fe gu ho ji zu ra te mi no la se ko pa vi ru ta be do fi ga "
+             "an el or is um en ar ol ix").split()
+NOUNS = ["price", "stock", "hours", "distance", "balance", "status", "menu", "flight", "rate", "forecast", "address",
+         "owner", "size", "rating", "capacity", "speed", "recipe", "schedule", "order", "ticket", "package", "account",
+         "height", "review", "news", "depth", "weight", "manager", "platform", "gate", "season", "version"]
+VERBS = ["get", "lookup", "find", "fetch", "check", "search", "query", "read", "show", "compute", "convert"]
+PARAMS = ["query", "name", "item", "place", "symbol", "title", "word", "id", "city", "code", "topic", "amount",
+          "destination", "date", "user", "product", "term", "location", "station", "team"]
+ASKS = ["What is the {noun} of {x}?", "Can you check the {noun} for {x}?", "Look up the {noun} of {x}.",
+        "I need the {noun} for {x}.", "Find the {noun} of {x}, please.", "{x}: what is its {noun}?",
+        "Tell me the {noun} of {x}.", "What's the {noun} for {x}?", "Get me the {noun} of {x}.",
+        "How about the {noun} of {x}?", "Do you know the {noun} of {x}?"]
+ANSWERS = ["The {noun} of {x} is {r}.", "The {noun} is {r}.", "It is {r}.", "Here is what I found: {r}.",
+           "{r}.", "The result is {r}.", "According to the tool, {r}.", "The {noun} for {x}: {r}."]
+UNITS = ["km", "m", "cm", "kg", "g", "L", "ml", "miles", "metres", "feet", "C", "F", "%", "people", "items", "hours",
+         "minutes", "seconds", "km/h", "points", "pages", "votes", "tons", "steps"]
+
+
+def word(rng: random.Random) -> str:
+    """A made-up word (two or three syllables): nothing the model can know, only copy."""
+    w = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
+    return w.capitalize() if rng.random() < 0.2 else w
+
+
+def any_result(rng: random.Random) -> str:
+    """A tool result of any form: words, a number with a unit, a time, a price, a name, a short list, a code."""
+    kind = rng.randrange(9)
+    number = lambda: rng.choice([str(rng.randint(0, 99999)), f"{rng.randint(0, 9999)}.{rng.randint(0, 99)}",   # noqa: E731
+                                 f"{rng.randint(1, 999):,}", f"{rng.randint(1, 99)},{rng.randint(0, 999):03d}"])
+    if kind == 0:
+        return " ".join(word(rng) for _ in range(rng.randint(1, 4)))
+    if kind == 1:
+        return f"{rng.choice(['', '', 'about ', 'around ', 'over ', 'under '])}{number()} {rng.choice(UNITS)}"
+    if kind == 2:
+        return rng.choice([f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}",
+                           f"{rng.randint(1, 12)} {rng.choice(['am', 'pm'])}",
+                           f"{rng.choice(['open until', 'closes at', 'from'])} {rng.randint(6, 23)}:{rng.choice(['00', '15', '30', '45'])}",
+                           f"{rng.randint(1, 12)}:{rng.randint(0, 59):02d} {rng.choice(['AM', 'PM'])}"])
+    if kind == 3:
+        amount = f"{rng.randint(0, 9999)}.{rng.randint(0, 99):02d}"
+        return rng.choice([f"{amount} EUR", f"${amount}", f"{amount} USD", f"£{amount}", f"{amount} dollars",
+                           f"€{amount}", f"{amount} GBP"])
+    if kind == 4:
+        return f"{word(rng).capitalize()} {word(rng).capitalize()}"
+    if kind == 5:
+        return ", ".join(word(rng) for _ in range(rng.randint(2, 4)))
+    if kind == 6:
+        return "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ0123456789") for _ in range(rng.randint(3, 8)))
+    if kind == 7:
+        return f"{rng.choice(['yes', 'no', 'true', 'false', 'none', 'unknown', 'pending', 'done'])}"
+    return f"{word(rng)}, {rng.randint(-20, 40)} C"
+
+
+def any_tool(rng: random.Random) -> tuple[dict, str, str, str]:
+    """A function tool of a made-up name and parameter -> (its definition, the parameter, the noun its question
+    asks for, a question template with {x})."""
+    noun = rng.choice(NOUNS)
+    name = rng.choice([f"{rng.choice(VERBS)}_{noun}", f"{noun}_{rng.choice(['lookup', 'info', 'tool', 'api'])}",
+                       f"{rng.choice(VERBS)}{noun.capitalize()}", f"{word(rng)}_{noun}"])
+    param = rng.choice(PARAMS)
+    schema = {"type": "object", "properties": {param: {"type": "string"}}, "required": [param]}
+    if rng.random() < 0.3:
+        schema["additionalProperties"] = False
+    fn = {"name": name, "parameters": schema}
+    if rng.random() < 0.7:
+        fn["description"] = f"{rng.choice(['Get', 'Look up', 'Find', 'Return'])} the {noun} of a {param}."
+    return {"type": "function", "function": fn}, param, noun, rng.choice(ASKS)
+
+
+def any_tool_conversation(rng: random.Random) -> tuple[list[dict], list[dict], str]:
+    """(tools, messages, kind): one to three made-up tools offered (sometimes beside the named ones), the
+    question that fits one of them, its call with the subject from the question, its result, and the answer
+    with the result as the tool wrote it."""
+    made = [any_tool(rng) for _ in range(rng.randint(1, 3))]
+    made = [m for i, m in enumerate(made) if m[0]["function"]["name"] not in
+            {x[0]["function"]["name"] for x in made[:i]}]
+    tools = [m[0] for m in made] + [tool_definition(rng, n) for n in rng.sample(list(TOOLS), rng.randint(0, 1))]
+    rng.shuffle(tools)
+    fn, param, noun, ask = rng.choice(made)
+    x = rng.choice([word(rng), word(rng).capitalize(), f"{word(rng).capitalize()} {word(rng).capitalize()}",
+                    rng.choice(list(CAPITALS)), str(rng.randint(1, 9999))])
+    r = any_result(rng)
+    name = fn["function"]["name"]
+    call = {"id": f"call_{rng.randrange(10 ** 6)}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps({param: x})}}
+    return tools, [{"role": "user", "content": ask.format(noun=noun, x=x)},
+                   {"role": "assistant", "content": "", "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": call["id"], "content": r},
+                   {"role": "assistant", "content": rng.choice(ANSWERS).format(noun=noun, x=x, r=r)}], "tool"
 
 
 _ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " \
@@ -170,7 +337,9 @@ def tool_question(rng: random.Random, name: str) -> tuple[str, str]:
 def tool_conversation(rng: random.Random) -> tuple[list[dict], list[dict], str]:
     """(tools offered, messages ending with an assistant turn, kind): a question one of the tools answers
     ("tool": the call, its result, the answer from it), a question none answers ("no_tool"), or one the model
-    knows itself ("fact", "greet")."""
+    knows itself ("fact", "greet"); two times in five, a question for a made-up tool (any_tool_conversation)."""
+    if rng.random() < 0.4:
+        return any_tool_conversation(rng)
     names = rng.sample(list(TOOLS), rng.randint(1, len(TOOLS)))
     tools = [tool_definition(rng, n) for n in names]
     kind = rng.choices(["tool", "no_tool", "fact", "greet"], weights=[6, 1, 2, 1])[0]
@@ -205,7 +374,9 @@ def json_conversation(rng: random.Random) -> list[dict]:
     answered in JSON whose opening up to the first value (`{"capital": "`) is marked `forced`: what a JSON
     schema's grammar writes when the question does not ask for JSON (LangChain's with_structured_output). The
     training gives no loss on forced text, so the model learns to fill and close the object once it is open,
-    never to open one unasked."""
+    never to open one unasked. Half of the time instead, a request naming keys of any kind (any_json_conversation)."""
+    if rng.random() < 0.5:
+        return any_json_conversation(rng)
     country = rng.choice(list(CAPITALS))
     keys = rng.choice(JSON_KEYS)
     reply = json_reply(keys, country)
@@ -215,6 +386,49 @@ def json_conversation(rng: random.Random) -> list[dict]:
                 {"role": "assistant", "content": reply, "forced": reply[:reply.index('": "') + 4]}]
     ask = rng.choice(JSON_ASK).format(keys=" and ".join(keys))
     return [{"role": "user", "content": q + ask}, {"role": "assistant", "content": reply}]
+
+
+KEY_WORDS = ["name", "value", "type", "kind", "size", "age", "owner", "label", "note", "status", "code", "id", "year",
+             "level", "unit", "group", "tag", "mood", "shape", "sport", "food", "drink", "pet", "job", "hobby",
+             "brand", "model", "genre", "weather", "ocean", "mountain", "lake", "street", "color", "city", "country",
+             "capital", "email", "phone", "date", "time", "count", "total", "summary", "height", "weight", "owner_name",
+             "start_date", "end_date", "user_id", "full_name", "description", "category", "rating", "speed"]
+TOPICS = ["a dog", "a song", "a car", "a holiday", "a recipe", "the sea", "a robot", "a garden", "a city", "a game",
+          "a student", "an island", "a train", "a bird", "a movie", "a shop", "a planet", "a mountain", "a river",
+          "a teacher", "a fruit", "a language", "a sports team", "a book", "an animal", "a friend", "Rome", "Peru"]
+KEY_ASKS = ["Give me a JSON object about {t} with the keys {k}.", "JSON for {t}, with keys {k}.",
+            "Write {t} as JSON using keys {k}.", "Reply with JSON about {t}. Keys: {k}.",
+            "I want a JSON object with {k} for {t}.", "Create JSON ({k}) describing {t}.",
+            "Return a JSON object with the keys {k}, about {t}.", "Describe {t} in JSON, fields {k}.",
+            "Produce JSON with exactly the keys {k} for {t}.", "{k}: put {t} into a JSON object with these keys.",
+            "Make up {t} and answer in JSON with keys {k}.", "JSON please, for {t}, with {k}."]
+
+
+def key_list(rng: random.Random, keys: list[str]) -> str:
+    """Keys as a request names them: plain or quoted, with commas or "and"."""
+    shown = [f'"{k}"' if rng.random() < 0.3 else k for k in keys]
+    if len(shown) == 1 or rng.random() < 0.4:
+        return ", ".join(shown)
+    return ", ".join(shown[:-1]) + " and " + shown[-1]
+
+
+def any_value(rng: random.Random, topic: str):
+    return rng.choice([word(rng), word(rng).capitalize(), rng.randint(0, 9999), topic.split()[-1],
+                       f"{word(rng)} {word(rng)}", rng.choice([True, False]), round(rng.uniform(0, 100), 1)])
+
+
+def any_json_conversation(rng: random.Random) -> list[dict]:
+    """A request naming one to four keys of any kind (of KEY_WORDS or made up) for a topic, answered by a JSON
+    object with exactly those keys in that order and values of its own."""
+    keys = []
+    while len(keys) < rng.choice([1, 2, 2, 2, 3, 3, 4]):
+        k = rng.choice(KEY_WORDS) if rng.random() < 0.7 else word(rng)
+        if k not in keys:
+            keys.append(k)
+    topic = rng.choice(TOPICS)
+    q = rng.choice(KEY_ASKS).format(t=topic, k=key_list(rng, keys))
+    return [{"role": "user", "content": q[0].upper() + q[1:]},
+            {"role": "assistant", "content": json.dumps({k: any_value(rng, topic) for k in keys})}]
 
 
 STRUCTURE_NAMES = ["Capital", "Answer", "CityInfo", "CountryFacts", "Result", "Location", "Info", "Reply"]

@@ -123,7 +123,7 @@ def chat_phase(model, prompter, rng, steps: int, peak: float, tools_share: float
 # Chat training runs in phases of (steps, peak learning rate, share of tool conversations): the first learns the
 # conversations (greetings, capitals, the calculator); the second adds tool calls in the checkpoint's format and
 # JSON replies, with the first phase's conversations still in the mix so that they are not forgotten.
-CHAT_PHASES = [(4000, 3e-3, 0.0), (2400, 1e-3, 0.4)]
+CHAT_PHASES = [(4800, 3e-3, 0.0), (3200, 1e-3, 0.5)]
 
 
 def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None = None,

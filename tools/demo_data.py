@@ -1,7 +1,9 @@
 """Synthetic data for the demo models: chat conversations and jevfmt decision questions.
 
 Everything is generated from a seed, so training (seed 0) and the held-out evaluation (another seed)
-see different questions drawn from the same distribution.
+see different questions drawn from the same distribution; tools/demo_heldout.py holds sets from a generator
+of its own (other phrasings, tools, result formats and keys), which measure the skills rather than the
+templates.
 """
 from __future__ import annotations
 

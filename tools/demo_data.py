@@ -41,8 +41,7 @@ FOLLOW_FACT = ["And {c}?", "What about {c}?", "And the capital of {c}?", "How ab
 # Arithmetic as people type it: the question is drawn from parts (a lead-in, the expression in symbols, words or
 # a verb, a tail, the case) so widely that only reading the expression fits; the calculator part is always the
 # expression meant, written plainly (`a*b`, "subtract 19 from 100" -> `100-19`).
-OPS = {"+": ["plus", "+", "and"], "-": ["minus", "-"], "*": ["times", "*", "multiplied by", "x", "×"],
-       "/": ["divided by", "/", "over"]}
+WORDS = {"+": ["plus", "and"], "-": ["minus"], "*": ["times", "multiplied by", "x"], "/": ["divided by", "over"]}
 SYMBOL = {"+": ["+"], "-": ["-"], "*": ["*", "x", "×"], "/": ["/", "÷"]}
 VERB = {"+": ["add {a} and {b}", "add {b} to {a}", "the sum of {a} and {b}", "{a} added to {b}", "sum of {a} and {b}"],
         "-": ["subtract {b} from {a}", "{b} subtracted from {a}", "the difference of {a} and {b}",
@@ -97,8 +96,7 @@ def math_expression(rng: random.Random) -> tuple[str, str]:
     if form < 0.55:                                 # symbols, with or without spaces
         return _spaced(rng, [str(a), rng.choice(SYMBOL[op]), str(b)]), f"{a}{op}{b}"
     if form < 0.8:                                  # words
-        word = rng.choice([w for w in OPS[op] if w.isalpha() or " " in w] or OPS[op])
-        return f"{a} {word} {b}", f"{a}{op}{b}"
+        return f"{a} {rng.choice(WORDS[op])} {b}", f"{a}{op}{b}"
     return rng.choice(VERB[op]).format(a=a, b=b), f"{a}{op}{b}"     # a verb or a phrase
 
 

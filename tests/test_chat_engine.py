@@ -435,7 +435,7 @@ def test_engine_keeps_torch_linear_when_packing_fails(nanochat_model, tokenizer,
 
     assert LLMEngine(tiny_model("nanochat", tokenizer), tokenizer, max_rows=2).linear == "torch"   # all too small
 
-    def refuse(model):
+    def refuse(model, **_):
         raise RuntimeError("no oneDNN here")
 
     monkeypatch.setattr(engine_module, "pack_linears", refuse)

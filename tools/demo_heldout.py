@@ -1,6 +1,7 @@
 """Held-out questions for the demo chat model, from a generator of their own (#54).
 
-    python -m tools.demo_heldout [--model models/demo-chat] [--dtype auto|float32|bfloat16] [--n 60] [--show 5]
+    python -m tools.demo_heldout [--model models/demo-chat] [--dtype auto|float32|bfloat16] [--weights dtype|int8]
+                                 [--n 60] [--show 5]
 
 Nothing here is shared with the training data's generator (tools/demo_data.py): other phrasings, other tools,
 other result formats, other JSON keys, written before the model that is measured on them was trained and never
@@ -215,9 +216,9 @@ def _run(engine, jobs: dict, counter=itertools.count()) -> dict[str, dict]:
     return {key: out[f"{tag}/{key}"] for key in jobs}
 
 
-def evaluate(model_dir: str, dtype: str = "auto", n: int = 60) -> dict[str, dict]:
-    """Every set answered by the checkpoint in `dtype` -> set -> {"right", "total", "wrong": [(question, reply,
-    wanted)]}."""
+def evaluate(model_dir: str, dtype: str = "auto", n: int = 60, weights: str = "dtype") -> dict[str, dict]:
+    """Every set answered by the checkpoint in `dtype` (`weights` "int8": its linear layers' weights in int8, as
+    `chat_weights: int8` serves it) -> set -> {"right", "total", "wrong": [(question, reply, wanted)]}."""
     import torch
 
     from core.chat import ChatPrompter, LLMEngine, SamplingParams, load_chat_defaults, load_chat_model
@@ -227,7 +228,7 @@ def evaluate(model_dir: str, dtype: str = "auto", n: int = 60) -> dict[str, dict
     model, tok, cfg = load_chat_model(model_dir, device="cpu", dtype=chat_dtype(dtype, torch.device("cpu"))[0])
     defaults = load_chat_defaults(model_dir)
     prompter = ChatPrompter(tok, cfg.sequence_len, defaults.fewshot, defaults.tool_format)
-    engine = LLMEngine(model, tok, max_rows=32, prefix_ids=prompter.prefix_ids)
+    engine = LLMEngine(model, tok, max_rows=32, prefix_ids=prompter.prefix_ids, weights=weights)
     greedy = lambda **kw: SamplingParams(max_tokens=64, temperature=0.0, **kw)     # noqa: E731
     results = {}
 
@@ -277,10 +278,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="models/demo-chat")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    p.add_argument("--weights", default="dtype", choices=("dtype", "int8"), help="int8: as chat_weights: int8")
     p.add_argument("--n", type=int, default=60)
     p.add_argument("--show", type=int, default=5, help="wrong answers shown per set")
     args = p.parse_args()
-    for name, r in evaluate(args.model, args.dtype, args.n).items():
+    for name, r in evaluate(args.model, args.dtype, args.n, args.weights).items():
         print(f"{name}: {r['right']}/{r['total']}")
         for q, reply, wanted in r["wrong"][:args.show]:
             print(f"    {q!r} -> {reply!r} (wanted {wanted!r})")

@@ -20,53 +20,22 @@ failed build logs why, once.
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
-import shutil
-import sys
-import threading
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from .extensions import extension
 from .kv_cache import CacheBatch
 
-logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cache_attention.cpp")
-_lock = threading.Lock()
-_kernel: object | None = None
-_tried = False
 _NONE = torch.empty(0, dtype=torch.long)      # no shared prefixes
 
 
 def kernel():
     """The compiled decode kernel, or None where it cannot be built (then one warning says why)."""
-    global _kernel, _tried
-    if _tried:              # every layer of every pass asks: no lock once the build was tried
-        return _kernel
-    with _lock:
-        if not _tried:
-            try:
-                from torch.utils.cpp_extension import load
-
-                # the ninja that `pip install` put beside this interpreter, when none is on PATH (a venv not
-                # activated, a Ray worker's environment)
-                here = os.path.dirname(sys.executable)
-                if shutil.which("ninja") is None and os.path.exists(os.path.join(here, "ninja")):
-                    os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
-
-                # -ffast-math lets the compiler vectorise the dot products' sums (their order is fixed per row, so
-                # a row still computes the same in any batch); -march=native: the cache is per machine
-                _kernel = load(name="startlux_cache_attention", sources=[_SOURCE],
-                               extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                               extra_ldflags=["-fopenmp"])
-            except Exception as e:  # noqa: BLE001 - any failure leaves SDPA, which always works
-                logger.warning("decode attention stays on torch's SDPA (slower: it gathers each entry's blocks): "
-                               "building %s failed (%s: %s)", _SOURCE, type(e).__name__, e)
-            _tried = True           # after the attempt: a thread that sees it sees its result
-    return _kernel
+    return extension("startlux_cache_attention", "cache_attention.cpp",
+                     "decode attention stays on torch's SDPA (slower: it gathers each entry's blocks)")
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ from .logits import LogitProcessor, LogprobResult, logprobs
 from .model import ChatNetwork
 from .outputs import OutputProcessor
 from .packed import PackedLinear, pack_linears
+from .quantized import Int8Linear, quantize_linears
 from .protocol import KV_CPU_BYTES, KV_CUDA_SHARE, EngineConfig, EngineStats, SamplingParams, TokenEvent
 from .sampler import sample
 from .scheduler import Request, Sample, Scheduler, new_request
@@ -80,7 +81,14 @@ class LLMEngine:
         self.sequence_len, self.vocab_size = cfg.sequence_len, cfg.vocab_size
         self.max_rows = config.max_rows
         self.device = model.get_device()
-        self.linear = self._pack(model) if self.device.type == "cpu" and config.packed_linear else "torch"
+        if config.weights == "int8" and not any(isinstance(m, Int8Linear) for m in model.modules()):
+            quantize_linears(model, config.small_row_kernel)
+        if config.weights == "int8":
+            self.linear = "int8"
+        elif self.device.type == "cpu" and config.packed_linear:
+            self.linear = self._pack(model, config.small_row_kernel)
+        else:
+            self.linear = "torch"
         self.attention = attention_path(self.device)     # builds the CPU kernel now, not at the first request
         # decode reads a prefix that sequences share once for them all (the CPU kernel's cascade)
         self.shared_prefixes = config.shared_prefix_attention and self.attention == "cpu-kernel"
@@ -103,12 +111,12 @@ class LLMEngine:
             self.set_prefix(prefix_ids)
 
     @staticmethod
-    def _pack(model: ChatNetwork) -> str:
+    def _pack(model: ChatNetwork, small_rows: bool = True) -> str:
         """The model's large linear layers through oneDNN with packed weights (packed.py), in place; ->
         "onednn-packed"; "torch" where no layer is large enough to gain; "torch-fallback" where packing failed
         (then one warning, and the replica's chat_linear_fallback gauge reads 1: the model runs as built)."""
         try:
-            pack_linears(model)
+            pack_linears(model, small_rows=small_rows)
         except Exception as e:      # noqa: BLE001 - any failure leaves torch's own path, which always works
             logger.warning("the chat model's linear layers stay on torch's F.linear, slower at decode batch "
                            "sizes: packing them for oneDNN failed (%s: %s)", type(e).__name__, e)

@@ -24,6 +24,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .small_linear import kernel as small_kernel
+from .small_linear import small_linear
+
 BATCH_HINT = 32          # the rows oneDNN tunes the packed layout for; every batch size can use it
 MIN_WEIGHT = 1 << 19     # elements (2 MiB of fp32): smaller fp32 layers stay as they are; bf16 layers of any
                          # size are packed (256 x 256 was 1.4x faster packed at 1-512 rows)
@@ -32,6 +35,12 @@ MAX_ROWS = 64            # and so do products of more (prefill): there MKL's pro
 # bf16 products have no such range: oneDNN computes the original weight's too, and the packed one was faster at
 # 1-256 rows (bench/README.md, "The engine in the hardware's precision")
 ROWS = {torch.float32: (MIN_ROWS, MAX_ROWS), torch.bfloat16: (1, 1 << 62)}
+# bf16 products of at most this many rows (a decode step of one or two streams) by a weight of at least
+# SMALL_MIN_WEIGHT elements go to small_linear.py's kernel instead, which reads such a weight near the memory's
+# rate where oneDNN's product does not; at 3 rows and more, or a weight that stays in the core's cache
+# (768 x 768), oneDNN's is faster (bench.small_linear; EngineConfig.small_row_kernel off: never)
+SMALL_ROWS = {torch.bfloat16: 2}
+SMALL_MIN_WEIGHT = 1 << 20
 
 
 def available() -> bool:
@@ -42,14 +51,16 @@ class PackedLinear(nn.Linear):
     """An nn.Linear whose inference products use a oneDNN-packed copy of its weight."""
 
     packed: torch.Tensor
+    small_rows: int = 0      # products of at most this many rows through small_linear's kernel
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear) -> "PackedLinear":
+    def from_linear(cls, lin: nn.Linear, small_rows: int = 0) -> "PackedLinear":
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = lin.in_features, lin.out_features
         new.weight, new.bias = lin.weight, lin.bias      # the same Parameters: ties and checkpoints hold
         new.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), BATCH_HINT)
+        new.small_rows = small_rows if lin.weight.is_contiguous() else 0
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,13 +69,16 @@ class PackedLinear(nn.Linear):
         if (x.device.type != "cpu" or x.dtype != self.packed.dtype or not least <= rows <= most
                 or (torch.is_grad_enabled() and self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
+        if rows <= self.small_rows:
+            return small_linear(x, self.weight, None, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module, min_weight: int | None = None) -> int:
+def pack_linears(model: nn.Module, min_weight: int | None = None, small_rows: bool = True) -> int:
     """Replace every fp32 nn.Linear of `model` (on the CPU) with at least `min_weight` weight elements (default
     MIN_WEIGHT, read when called), and every bf16 one (at least `min_weight` if given), by a PackedLinear, in
-    place -> how many. Raises what oneDNN raises if it cannot pack (the caller falls back to torch's own path)."""
+    place -> how many. `small_rows`: products of up to SMALL_ROWS rows through small_linear's kernel where it
+    builds. Raises what oneDNN raises if it cannot pack (the caller falls back to torch's own path)."""
     if not available():
         raise RuntimeError("torch was built without oneDNN (mkldnn)")
     least = {torch.float32: MIN_WEIGHT if min_weight is None else min_weight,
@@ -75,7 +89,9 @@ def pack_linears(model: nn.Module, min_weight: int | None = None) -> int:
     packed = {}
     for parent, name, child in targets:          # a module listed under two parents is packed once
         if id(child) not in packed:
-            packed[id(child)] = PackedLinear.from_linear(child)
+            few = (SMALL_ROWS.get(child.weight.dtype, 0) if small_rows and child.weight.numel() >= SMALL_MIN_WEIGHT
+                   and small_kernel() is not None else 0)
+            packed[id(child)] = PackedLinear.from_linear(child, few)
         setattr(parent, name, packed[id(child)])
     return len(packed)
 

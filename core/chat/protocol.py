@@ -42,6 +42,7 @@ GREEDY_BELOW = 1e-5             # a temperature below this is greedy, its limit 
 CPU_POLICIES = ("normal", "idle")   # for the engine process: see engine_process.set_cpu_policy
 BACKENDS = ("model", "synthetic")  # the checkpoint's model, or synthetic.py's engine without one (benchmarks)
 DTYPES = ("auto", "float32", "bfloat16")   # EngineConfig.dtype
+WEIGHTS = ("dtype", "int8")                 # EngineConfig.weights
 KV_CPU_BYTES = 2 << 30              # the KV cache's default size on a CPU (EngineConfig.kv_cache_memory)
 KV_CUDA_SHARE = 0.85                # on CUDA, the default share of the memory left after the weights
 H200_STEP_S = 0.00125               # one decode step of the demo model on an H200 (docs/deployment.md)
@@ -365,6 +366,9 @@ class EngineConfig:
     backend: Literal["model", "synthetic"] = "model"   # "synthetic": synthetic.py's engine, no model (benchmarks and tests)
     synthetic_step_s: float = H200_STEP_S          # the synthetic engine's step time (one token per running row)
     packed_linear: bool = True      # on the CPU, linear layers through oneDNN with weights packed once (packed.py)
+    # on the CPU, bf16 products of a decode step's one or two rows through small_linear.py's kernel, which reads
+    # the weights at the memory's rate (packed.SMALL_ROWS; with packed_linear)
+    small_row_kernel: bool = True
     # on the CPU, decode reads a prefix that rows hold as copies of one row (prefix-cache hits, n samples) once
     # for all of them (attention.py); the same results either way
     shared_prefix_attention: bool = True
@@ -374,6 +378,9 @@ class EngineConfig:
     # the model's and its KV cache's precision; "auto": bf16 on CUDA and on CPUs that compute it natively (AMX,
     # AVX-512 BF16), fp32 elsewhere (weights.chat_dtype)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # the linear layers' weights: "dtype" as the model's dtype; "int8": int8 with a scale per output channel,
+    # quantized at load (quantized.py), the activations and the KV cache in the model's dtype
+    weights: Literal["dtype", "int8"] = "dtype"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -389,6 +396,8 @@ class EngineConfig:
                              "(process=True): on a thread it would also slow the replica's event loop")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, not {self.dtype!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {list(WEIGHTS)}, not {self.weights!r}")
         if self.max_rows < 1 or self.max_waiting < 0:
             raise ValueError("max_rows must be at least 1 and max_waiting not negative")
         if self.block_size < 4 or self.block_size % 4:

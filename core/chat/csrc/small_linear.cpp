@@ -1,0 +1,164 @@
+// Linear layers at the few rows of a decode step (core/chat/small_linear.py loads this file).
+//
+// y (M, N) = x (M, K) . w (N, K)^T [* scale (N)] [+ bias (N)] for M up to 8 rows. At these sizes the product is
+// a matter of reading the weight once, at the memory's rate: each weight row is read once for every row of x,
+// converted to fp32 in registers (bf16: a shift; int8: a widening with the row's scale applied to the sum), and
+// multiplied into fp32 sums; x itself, converted to fp32 once, stays in the first-level cache. Work is split over
+// output columns. Every output element is one dot product whose terms are added in the same order whatever M is
+// and however the columns are split, so a row computes the same bits alone as in a batch.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline float weight_at(const uint16_t* w, int64_t k) { return bf16_to_float(w[k]); }
+static inline float weight_at(const int8_t* w, int64_t k) { return static_cast<float>(w[k]); }
+static inline float weight_at(const float* w, int64_t k) { return w[k]; }
+
+#if defined(__AVX512F__)
+constexpr int64_t LANES = 16;
+#ifndef PREFETCH
+#define PREFETCH 512
+#endif
+// Sixteen weights from p as fp32 (the first `n` of them; the rest zero).
+static inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 load16(const int8_t* p, __mmask16 m) {
+  __m128i b = _mm_maskz_loadu_epi8(m, p);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+static inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+#endif
+
+// Columns [n0, n1) of y for R rows of x (xf: fp32, R x K), NB weight rows at a time (independent sums keep
+// several cache lines of the weight in flight).
+template <int R, typename w_t>
+static void columns(const float* xf, const w_t* w, int64_t K, int64_t n0, int64_t n1, float* acc_out) {
+  constexpr int NB = R <= 2 ? 4 : (R <= 4 ? 2 : 1);   // R x NB sums: at most 8 registers
+  int64_t n = n0;
+#if defined(__AVX512F__)
+  for (; n + NB <= n1; n += NB) {
+    __m512 acc[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += LANES) {
+      const __mmask16 m = K - k >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+      __m512 wv[NB];
+      for (int j = 0; j < NB; ++j) {
+        // the weight streams from memory: ask for it PREFETCH bytes ahead of the loads
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n + j) * K + k) + PREFETCH, _MM_HINT_T0);
+        wv[j] = load16(w + (n + j) * K + k, m);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_maskz_loadu_ps(m, xf + r * K + k);
+        for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) acc_out[r * (n1 - n0) + (n + j - n0)] = _mm512_reduce_add_ps(acc[r][j]);
+  }
+  for (; n < n1; ++n) {   // the last columns one at a time, with the same sums in the same order
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += LANES) {
+      const __mmask16 m = K - k >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+      const __m512 wv = load16(w + n * K + k, m);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, xf + r * K + k), wv, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) acc_out[r * (n1 - n0) + (n - n0)] = _mm512_reduce_add_ps(acc[r]);
+  }
+#else
+  // without AVX-512: eight partial sums per dot product, which the compiler vectorises (-O3 -march=native
+  // -ffast-math); their order is fixed, so a row's result does not depend on its batch either
+  for (; n < n1; ++n)
+    for (int r = 0; r < R; ++r) {
+      float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      const w_t* wr = w + n * K;
+      const float* xr = xf + r * K;
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8)
+        for (int l = 0; l < 8; ++l) part[l] += xr[k + l] * weight_at(wr, k + l);
+      for (; k < K; ++k) part[k % 8] += xr[k] * weight_at(wr, k);
+      acc_out[r * (n1 - n0) + (n - n0)] = ((part[0] + part[1]) + (part[2] + part[3])) +
+                                          ((part[4] + part[5]) + (part[6] + part[7]));
+    }
+#endif
+}
+
+template <typename w_t>
+static void run(int64_t R, const float* xf, const w_t* w, int64_t K, int64_t n0, int64_t n1, float* acc) {
+  switch (R) {
+    case 1: columns<1>(xf, w, K, n0, n1, acc); break;
+    case 2: columns<2>(xf, w, K, n0, n1, acc); break;
+    case 3: columns<3>(xf, w, K, n0, n1, acc); break;
+    case 4: columns<4>(xf, w, K, n0, n1, acc); break;
+    case 5: columns<5>(xf, w, K, n0, n1, acc); break;
+    case 6: columns<6>(xf, w, K, n0, n1, acc); break;
+    case 7: columns<7>(xf, w, K, n0, n1, acc); break;
+    case 8: columns<8>(xf, w, K, n0, n1, acc); break;
+    default: TORCH_CHECK(false, "small_linear: 1 to 8 rows");
+  }
+}
+
+constexpr int64_t BLOCK = 64;   // output columns per task
+
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
+                           c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_linear: x (M, K), w (N, K)");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "small_linear: 1 to 8 rows");
+  TORCH_CHECK(w.is_contiguous(), "small_linear: a contiguous weight");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "small_linear: bf16 or fp32 x");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kChar || w.scalar_type() == at::kFloat,
+              "small_linear: bf16, fp32 or int8 weights");
+  TORCH_CHECK(w.scalar_type() != at::kChar || scale.has_value(), "small_linear: int8 weights need their scales");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto xf = x.to(at::kFloat).contiguous();
+  auto sf = scale.has_value() ? scale->to(at::kFloat).contiguous() : torch::Tensor();
+  auto bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
+  auto out = torch::empty({M, N}, x.options());
+  const bool to_bf16 = x.scalar_type() == at::kBFloat16;
+  const float* xp = xf.data_ptr<float>();
+  const float* sp = sf.defined() ? sf.data_ptr<float>() : nullptr;
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  at::BFloat16* ob = to_bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  float* of = to_bf16 ? nullptr : out.data_ptr<float>();
+  at::parallel_for(0, (N + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t n0 = b0 * BLOCK, n1 = std::min(N, b1 * BLOCK), width = n1 - n0;
+    std::vector<float> part(M * width);
+    if (w.scalar_type() == at::kBFloat16)
+      run(M, xp, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), K, n0, n1, part.data());
+    else if (w.scalar_type() == at::kChar)
+      run(M, xp, w.data_ptr<int8_t>(), K, n0, n1, part.data());
+    else
+      run(M, xp, w.data_ptr<float>(), K, n0, n1, part.data());
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t n = n0; n < n1; ++n) {
+        float v = part[r * width + (n - n0)];
+        if (sp) v *= sp[n];
+        if (bp) v += bp[n];
+        if (ob) ob[r * N + n] = at::BFloat16(v);
+        else of[r * N + n] = v;
+      }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("small_linear", &small_linear, "x . w^T at 1-8 rows, at the memory's rate (bf16, fp32 or int8 weights)");
+}

@@ -139,3 +139,46 @@ def test_packed_bf16_layers_take_the_kernel_at_few_rows_only(tokenizer, monkeypa
     with torch.no_grad():
         got, want = greedy(a, ps), greedy(b, ps)
     assert sum(x == y for x, y in zip(got, want)) >= 6
+
+
+def test_chat_weights_int8_reaches_the_engine_a_replica_builds(tmp_path):
+    """`chat_weights: int8` in the application's arguments: the chat replica's engine start carries it and the
+    engine it builds runs the demo checkpoint's linear layers in int8 and answers; a value it does not know is
+    refused with the setting's name."""
+    import os
+
+    from core.chat.engine_process import build_engine
+    from deployments.chat import ChatModel
+    from deployments.settings import AppArgs
+
+    started = []
+
+    class Recorder:
+        max_rows = 0
+        linear = "torch"
+
+        def __init__(self, start, on_stats=None, hold=None):
+            started.append(start)
+
+        def shutdown(self):
+            pass
+
+    args = AppArgs.model_validate({"device": "cpu", "chat_weights": "int8", "chat_engine_process": False})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    demo = args.chat.model_copy(update={"checkpoint": os.path.join(root, "models", "demo-chat")})
+    ChatModel.func_or_class(demo, start_engine=Recorder)
+    (start,) = started
+    assert start.config.weights == "int8"
+    threads = torch.get_num_threads()
+    try:
+        engine = build_engine(start)
+    finally:
+        torch.set_num_threads(threads)
+    assert engine.linear == "int8" and any(isinstance(m, Int8Linear) for m in engine.model.modules())
+    engine.add_request(list(start.prefix_ids) + [5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0), "r")
+    tokens = []
+    while engine.has_work():
+        tokens += [ev.token for ev in engine.step() if ev.token is not None]
+    assert len(tokens) == 5
+    with pytest.raises(ValueError, match="(?s)weights.*'dtype' or 'int8'"):
+        AppArgs.model_validate({"chat_weights": "int4"})

@@ -228,14 +228,24 @@ def _json(text: str):
         return None
 
 
-def test_the_held_out_sets_are_apart_from_the_training_data():
+@pytest.mark.parametrize("later_phases", [False, True], ids=["phase-1", "later-phases"])
+def test_the_held_out_sets_are_apart_from_the_training_data(later_phases, monkeypatch):
     """tools/demo_heldout.py (#54): no question of its sets is one the training generator writes, none of its
-    tools is a training tool, none of its key sets a training key set; and each arithmetic question's value is the
-    calculator's for the expression meant (checked here by Python on the operands read back from the question)."""
+    tools is a training tool, none of its key sets a training key set, none of its results' words a made-up word
+    of training (also once the later phases build words of the tokenizer's pieces); and each arithmetic
+    question's value is the calculator's for the expression meant (checked here by Python on the operands read
+    back from the question)."""
     import re
 
+    from core.chat.checkpoint import load_chat_tokenizer
     from tools import demo_heldout as H
 
+    for name in ("PIECES", "RESERVED", "KNOWN_KEYS", "ANY_JSON"):     # use_vocabulary's state, restored after
+        value = getattr(D, name)
+        monkeypatch.setattr(D, name, value.copy() if isinstance(value, (list, set)) else value)
+    if later_phases:
+        D.use_vocabulary(load_chat_tokenizer(str(MODELS / "demo-chat"))[0])
+        assert len(D.PIECES) > 500
     rng = random.Random(7)
     trained = set()
     for _ in range(3000):
@@ -249,15 +259,19 @@ def test_the_held_out_sets_are_apart_from_the_training_data():
     keys = H.json_key_cases(H.SEEDS["json_keys"], 60)
     asked = [q for q, _ in math] + [m[0]["content"] for _, m, _ in tools] + [q for q, _ in keys]
     assert not trained & set(asked)
-    made_tools, made_keys = set(), set()
+    made_tools, made_keys, made_words = set(), set(), set()
     for _ in range(3000):
         made_tools.add(D.any_tool(rng)[0]["function"]["name"])
         made_keys.update(json.loads(D.any_json_conversation(rng)[1]["content"]))
+        made_words.update(re.findall(r"[a-z]+", D.any_result(rng).lower()))
     assert not set(H.NEW_TOOLS) & (set(D.TOOLS) | made_tools)
     assert not {frozenset(k) for k in H.KEY_SETS} & {frozenset(k) for k in D.JSON_KEYS}
     held_keys = {k for ks in H.KEY_SETS for k in ks}
     # the keys of any kind that training names: none of the held-out ones but those the capitals' JSON always had
     assert held_keys & made_keys <= {k for ks in D.JSON_KEYS for k in ks}, held_keys & made_keys
+    if later_phases:        # (phase 1 trains on conversations without tools: no made-up word; only the
+        # tokenizer's text has them)
+        assert not made_words & {w.lower() for w in H.WORDS_POOL + H.FIRST + H.LAST}
     words = {"plus": "+", "minus": "-", "times": "*", "multiplied by": "*", "divided by": "/", "over": "/",
              "x": "*", "×": "*"}
     checked = 0
@@ -289,12 +303,14 @@ def test_the_held_out_sets_are_apart_from_the_training_data():
 
 def test_the_demo_chat_model_has_the_skills_on_held_out_sets():
     """tools/demo_heldout.py's sets (another generator than the training data's: other phrasings, tools, result
-    formats and keys), in the dtype the service picks here: arithmetic as people type it at #54's 90%, and a new
-    tool's result copied as given at 45% (measured 34/60 with the committed weights; #54's 90% is not reached)."""
+    formats and keys), in the dtype the service picks here, with margin below what was measured (another CPU's
+    rounding may flip a near tie): arithmetic as people type it at 90% (measured 59/60 in fp32 and bf16), a new
+    tool's result copied as given at 85% (measured 54/60, #54's 90%), JSON with the keys a request names at 40%
+    (measured 29/60 in fp32, 28/60 in bf16; #54's 90% is not reached)."""
     from tools import demo_heldout as H
 
     results = H.evaluate(str(MODELS / "demo-chat"), "auto", 60)
-    bars = {"arithmetic": 0.9, "tool_results": 0.45}
+    bars = {"arithmetic": 0.9, "tool_results": 0.85, "json_keys": 0.4}
     low = {name: (results[name]["right"], results[name]["wrong"][:3]) for name, bar in bars.items()
            if results[name]["right"] < bar * results[name]["total"]}
     assert not low, low

@@ -222,9 +222,49 @@ UNITS = ["km", "m", "cm", "kg", "g", "L", "ml", "miles", "metres", "feet", "C", 
          "minutes", "seconds", "km/h", "points", "pages", "votes", "tons", "steps"]
 
 
+# Letter pieces of the chat tokenizer's own vocabulary (use_vocabulary fills it once the tokenizer exists).
+# Syllable words tokenize into the few dozen syllable tokens, so copying them teaches copying those tokens
+# only; a real word the model never saw ("orchid", "granite") comes apart into other pieces, whose copies
+# came out garbled. Words of any pieces train the copy for the whole vocabulary.
+PIECES: list[str] = []
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+RESERVED: set[str] = set()
+
+
+def use_vocabulary(tok) -> None:
+    """Build made-up words from `tok`'s letter pieces too (half of them from here on), never one of a word
+    the held-out sets use (tools/demo_heldout.py: their results' words, names and JSON keys)."""
+    from tools import demo_heldout as H
+
+    pieces = set()
+    for i in range(tok.vocab_size):
+        text = tok.token_bytes(i).decode("utf-8", errors="ignore").strip().lower()
+        if len(text) >= 2 and text.isascii() and text.isalpha():
+            pieces.add(text)
+    global KNOWN_KEYS, ANY_JSON
+    PIECES[:] = sorted(pieces)
+    KNOWN_KEYS = 0.25    # fewer keys of the fixed list: a key is to be copied from the request, not recalled
+    ANY_JSON = 0.75      # and more requests that name their keys
+    RESERVED.clear()
+    RESERVED.update(w.lower() for w in H.WORDS_POOL + H.FIRST + H.LAST)
+    RESERVED.update(part for keys in H.KEY_SETS for k in keys for part in [k, *k.split("_")])
+
+
 def word(rng: random.Random) -> str:
-    """A made-up word (two or three syllables): nothing the model can know, only copy."""
-    w = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
+    """A made-up word: nothing the model can know, only copy. Two or three syllables, or (after
+    use_vocabulary, half of the time) one to three pieces of the tokenizer's vocabulary or single letters."""
+    if PIECES and rng.random() < 0.5:
+        while True:
+            # a real word comes apart into single letters too ("town": t, ow, n): a quarter of the pieces
+            w = "".join(rng.choice(LETTERS) if rng.random() < 0.25 else rng.choice(PIECES)
+                        for _ in range(rng.choice([1, 2, 2, 3, 3])))
+            if w not in RESERVED and 2 <= len(w) <= 14:
+                break
+    else:
+        while True:
+            w = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
+            if w not in RESERVED:       # (RESERVED is empty before use_vocabulary: phase 1 draws no words)
+                break
     return w.capitalize() if rng.random() < 0.2 else w
 
 
@@ -374,8 +414,8 @@ def json_conversation(rng: random.Random) -> list[dict]:
     answered in JSON whose opening up to the first value (`{"capital": "`) is marked `forced`: what a JSON
     schema's grammar writes when the question does not ask for JSON (LangChain's with_structured_output). The
     training gives no loss on forced text, so the model learns to fill and close the object once it is open,
-    never to open one unasked. Half of the time instead, a request naming keys of any kind (any_json_conversation)."""
-    if rng.random() < 0.5:
+    never to open one unasked. ANY_JSON of the time instead, a request naming keys of any kind (any_json_conversation)."""
+    if rng.random() < ANY_JSON:
         return any_json_conversation(rng)
     country = rng.choice(list(CAPITALS))
     keys = rng.choice(JSON_KEYS)
@@ -404,6 +444,10 @@ KEY_ASKS = ["Give me a JSON object about {t} with the keys {k}.", "JSON for {t},
             "Make up {t} and answer in JSON with keys {k}.", "JSON please, for {t}, with {k}."]
 
 
+KNOWN_KEYS = 0.7   # the share of keys of any_json_conversation drawn from KEY_WORDS (use_vocabulary: 0.25)
+ANY_JSON = 0.5     # the share of json_conversation's requests that name keys of any kind (use_vocabulary: 0.75)
+
+
 def key_list(rng: random.Random, keys: list[str]) -> str:
     """Keys as a request names them: plain or quoted, with commas or "and"."""
     shown = [f'"{k}"' if rng.random() < 0.3 else k for k in keys]
@@ -422,7 +466,7 @@ def any_json_conversation(rng: random.Random) -> list[dict]:
     object with exactly those keys in that order and values of its own."""
     keys = []
     while len(keys) < rng.choice([1, 2, 2, 2, 3, 3, 4]):
-        k = rng.choice(KEY_WORDS) if rng.random() < 0.7 else word(rng)
+        k = rng.choice(KEY_WORDS) if rng.random() < KNOWN_KEYS else word(rng)
         if k not in keys:
             keys.append(k)
     topic = rng.choice(TOPICS)

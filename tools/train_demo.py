@@ -123,7 +123,7 @@ def chat_phase(model, prompter, rng, steps: int, peak: float, tools_share: float
 # Chat training runs in phases of (steps, peak learning rate, share of tool conversations): the first learns the
 # conversations (greetings, capitals, the calculator); the second adds tool calls in the checkpoint's format and
 # JSON replies, with the first phase's conversations still in the mix so that they are not forgotten.
-CHAT_PHASES = [(4800, 3e-3, 0.0), (3200, 1e-3, 0.5)]
+CHAT_PHASES = [(4800, 3e-3, 0.0), (4800, 1e-3, 0.5)]
 
 
 def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None = None,
@@ -153,6 +153,8 @@ def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None =
     defaults = ChatDefaults(fewshot=FEWSHOT, temperature=0.0, top_k=None, top_p=1.0, max_tokens=64,
                             tool_call=dict(D.TOOL_FORMAT))
     for i, (steps, peak, tools_share) in enumerate(phases[first:], start=first):
+        if i == 1:   # the later phases' made-up words use the tokenizer's pieces (phase 1 has none)
+            D.use_vocabulary(tok)
         # each phase draws its examples from its own seed, so a resumed run sees the data a whole run sees
         chat_phase(model, prompter, random.Random(seed + 1000 * i), max(1, steps // POOL), peak, tools_share)
         if i == 0 and first_phase:

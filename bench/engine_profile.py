@@ -1,6 +1,7 @@
 """Where the chat engine's step time goes, on this host's CPU, before the engine is made faster.
 
     python -m bench.engine_profile [--shapes 4x256 12x768] [--rows 1 8 32 64] [--prompt 64] [--threads 1]
+                                   [--dtype float32|bfloat16] [--weights dtype|int8]
                                    [--archs gpt2 | nanochat nanochat-current]
                                    [--no-packed | --compare-linear] [--json out.json]
 
@@ -127,15 +128,20 @@ def prompts(rows: int, length: int, vocab: int, bos: int, rng: random.Random) ->
 
 
 def profile_shape(n_layer: int, n_embd: int, rows_list: list[int], length: int, decode_steps: int,
-                  profiled_steps: int, peak: float, seed: int, packed: bool = True, arch: str = "gpt2") -> list[dict]:
+                  profiled_steps: int, peak: float, seed: int, packed: bool = True, arch: str = "gpt2",
+                  dtype: torch.dtype = torch.float32, weights: str = "dtype") -> list[dict]:
     model, tok = model_for(arch, n_layer, n_embd)
+    model = model.to(dtype)
     cfg = model.config
+    # what a decode step reads of the weights: every linear layer's (the embeddings give one row a token)
+    weight_bytes = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) * (
+        1 if weights == "int8" else torch.finfo(dtype).bits // 8)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=decode_steps + profiled_steps + 4, temperature=0, ignore_eos=True)
     out = []
     for rows in rows_list:
         engine = LLMEngine(model, tok, max_rows=rows, prefill_chunk=rows * length, prefix_caching=False,
-                           packed_linear=packed)
+                           packed_linear=packed, weights=weights)
         for i, p in enumerate(prompts(2, 8, min(tok.vocab_size, tok.bos_id), tok.bos_id, rng)):   # warm-up
             engine.add_request(p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), f"w{i}")
         while engine.has_work():
@@ -169,7 +175,8 @@ def profile_shape(n_layer: int, n_embd: int, rows_list: list[int], length: int, 
                "prefill_gflops": flops(cfg, rows * length, length / 2) / prefill_wall / 1e9,
                "decode_ms": 1000 * decode_wall, "decode_split_ms": {k: 1000 * v for k, v in decode.items()},
                "decode_gflops": flops(cfg, rows, keys) / decode_wall / 1e9,
-               "decode_tokens_per_s": rows / decode_wall,
+               "decode_tokens_per_s": rows / decode_wall, "dtype": str(dtype).removeprefix("torch."),
+               "weights": weights, "decode_weights_GBps": weight_bytes / decode_wall / 1e9,
                "profiled_ops_ms_per_step": {k: 1000 * v for k, v in ops[:10]},
                "profiled_ops_total_ms_per_step": 1000 * in_ops, "peak_gflops": peak}
         out.append(row)
@@ -233,11 +240,13 @@ def compare_linear(n_layer: int, n_embd: int, rows_list: list[int], keys: int = 
 def print_row(r: dict) -> None:
     def split(d):
         return ", ".join(f"{k} {v:.2f}" for k, v in d.items())
-    print(f"== {r['arch']} {r['shape']}, {r['rows']} rows x {r['prompt_tokens']} prompt tokens, linear layers: {r['linear']}")
+    print(f"== {r['arch']} {r['shape']} in {r['dtype']} ({r['weights']} weights), {r['rows']} rows x "
+          f"{r['prompt_tokens']} prompt tokens, linear layers: {r['linear']}")
     print(f"  prefill {r['prefill_ms']:.1f} ms ({split(r['prefill_split_ms'])}), "
           f"{r['prefill_gflops']:.1f} GFLOP/s of {r['peak_gflops']:.0f}")
     print(f"  decode {r['decode_ms']:.2f} ms a step, {r['decode_tokens_per_s']:.0f} tokens/s "
-          f"({split(r['decode_split_ms'])}), {r['decode_gflops']:.1f} GFLOP/s")
+          f"({split(r['decode_split_ms'])}), {r['decode_gflops']:.1f} GFLOP/s, weights read at "
+          f"{r['decode_weights_GBps']:.1f} GB/s")
     print(f"  torch ops under the profiler {r['profiled_ops_total_ms_per_step']:.2f} ms a decode step: "
           + ", ".join(f"{k.split('::')[-1]} {v:.2f}" for k, v in list(r["profiled_ops_ms_per_step"].items())[:8]))
 
@@ -252,6 +261,8 @@ def main() -> None:
     p.add_argument("--decode-steps", type=int, default=24)
     p.add_argument("--profiled-steps", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--weights", default="dtype", choices=("dtype", "int8"), help="int8: as chat_weights: int8")
     p.add_argument("--no-packed", action="store_true", help="the linear layers on F.linear (EngineConfig.packed_linear off)")
     p.add_argument("--compare-linear", action="store_true",
                    help="instead: the forward with F.linear against every layer packed, alternating, per row count")
@@ -271,7 +282,8 @@ def main() -> None:
     for i, shape in enumerate(args.shapes):
         for arch in args.archs:
             rows += profile_shape(*parse_shape(shape), args.rows, args.prompt, args.decode_steps,
-                                  args.profiled_steps, peak, seed=100 + i, packed=not args.no_packed, arch=arch)
+                                  args.profiled_steps, peak, seed=100 + i, packed=not args.no_packed, arch=arch,
+                                  dtype=getattr(torch, args.dtype), weights=args.weights)
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "threads": args.threads,
                                                "peak_gflops": peak, "rows": rows}, indent=2))

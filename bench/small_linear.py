@@ -1,7 +1,7 @@
 """The linear layers' products at a decode step's few rows: which path reads the weights fastest (#55).
 
     python -m bench.small_linear [--shapes 768x768 3072x768 768x3072 2048x768] [--rows 1 2 3 4 6 8 16]
-                                 [--threads 1 2] [--rounds 3] [--json out.json]
+                                 [--threads 1 2] [--rounds 3] [--streamed MB] [--json out.json]
 
 For each weight shape (out x in features: GPT-2 small's q/k/v/o, MLP up, MLP down, head) and row count, every
 path on the same input, alternating, best of `--rounds` rounds of timed calls each: core/chat/small_linear.py's
@@ -10,6 +10,11 @@ kernel on bf16, int8 (per output channel) and fp32 weights; oneDNN's product on 
 torch's `_weight_int8pack_mm` (its own int8 weight-only product). Each figure is microseconds a call and the
 rate at which it read the weight (GB/s). The row count where the kernel stops winning is what
 packed.SMALL_ROWS and quantized.Int8Linear use.
+
+A weight of a few MB stays in the core's caches between calls; a model's decode step streams every weight
+from memory once. `--streamed MB`: each path multiplies, in turn, as many distinct weights of the shape as
+make MB megabytes of bf16 (a 12 x 768 GPT-2 reads 174), so the figures are rates from memory; with `sum` (torch
+summing the bf16 weights) as this core's plain reading rate beside them.
 """
 from __future__ import annotations
 
@@ -50,6 +55,38 @@ def paths(n: int, k: int, rows: int):
     return out
 
 
+def streamed(n: int, k: int, rows: int, mb: int, threads: int, rounds: int) -> dict:
+    """Rates reading `mb` MB of distinct bf16 weights (int8: half the bytes) from memory, per path."""
+    torch.set_num_threads(threads)
+    count = max(2, mb * 10 ** 6 // (2 * n * k))
+    g = torch.Generator().manual_seed(1)
+    ws = [torch.randn(n, k, generator=g).bfloat16() for _ in range(count)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws]
+    quant = []
+    for w in ws:
+        scale = w.float().abs().amax(1) / 127
+        quant.append((torch.round(w.float() / scale[:, None]).to(torch.int8), scale))
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    ext = kernel()
+    paths = {"ours bf16": (lambda: [ext.small_linear(x, w, None, None) for w in ws], 2),
+             "ours int8": (lambda: [ext.small_linear(x, q, s, None) for q, s in quant], 1),
+             "oneDNN bf16 packed": (lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                                             for p in packed], 2),
+             "sum": (lambda: [w.sum() for w in ws], 2)}
+    best = {name: float("inf") for name in paths}
+    for fn, _ in paths.values():
+        fn()
+    for _ in range(rounds):
+        for name, (fn, _) in paths.items():
+            best[name] = min(best[name], timed(fn, 1))
+    row = {"shape": f"{n}x{k}", "rows": rows, "threads": threads, "streamed_MB": round(count * 2 * n * k / 1e6),
+           "ms": {name: round(t * 1e3, 2) for name, t in best.items()},
+           "GBps": {name: round(count * n * k * paths[name][1] / t / 1e9, 1) for name, t in best.items()}}
+    print(f"{n}x{k} x {count} ({row['streamed_MB']} MB of bf16) rows {rows} threads {threads}, from memory: " +
+          ", ".join(f"{name} {row['ms'][name]:.1f} ms ({row['GBps'][name]:.1f} GB/s)" for name in best), flush=True)
+    return row
+
+
 def timed(fn, calls: int) -> float:
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -85,13 +122,19 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 16])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--streamed", type=int, metavar="MB", help="instead: distinct weights of MB megabytes in all, "
+                   "read from memory")
     p.add_argument("--json")
     args = p.parse_args()
     if kernel() is None:
         raise SystemExit("the small-row kernel could not be built here (see the warning above)")
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}")
-    results = [row for t in args.threads for row in run(shapes, args.rows, t, args.rounds)]
+    if args.streamed:
+        results = [streamed(n, k, r, args.streamed, t, args.rounds) for t in args.threads for n, k in shapes
+                   for r in args.rows]
+    else:
+        results = [row for t in args.threads for row in run(shapes, args.rows, t, args.rounds)]
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "results": results},
                                               indent=2))

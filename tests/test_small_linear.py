@@ -182,3 +182,20 @@ def test_chat_weights_int8_reaches_the_engine_a_replica_builds(tmp_path):
     assert len(tokens) == 5
     with pytest.raises(ValueError, match="(?s)weights.*'dtype' or 'int8'"):
         AppArgs.model_validate({"chat_weights": "int4"})
+
+
+@pytest.mark.gpu
+def test_int8_on_cuda_generates_what_the_dequantized_weights_give(tokenizer):
+    """On CUDA an Int8Linear dequantizes its weight for each product (CUDA graphs record it): in fp32 the int8
+    engine's greedy streams, replayed from graphs, are the twin's with the round-tripped weights on F.linear."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model = tiny_model("nanochat", tokenizer, seed=6, std=0.3).cuda()
+    twin = dequantized_twin(tiny_model("nanochat", tokenizer, seed=6, std=0.3)).cuda()
+    engine = LLMEngine(model, tokenizer, max_rows=8, weights="int8")
+    assert engine.linear == "int8" and engine.graphs is not None
+    ps = prompts(8, seed=5)
+    with torch.no_grad():
+        got = greedy(engine, ps)
+        want = greedy(LLMEngine(twin, tokenizer, max_rows=8, cuda_graphs=False), ps)
+    assert sum(a == b for a, b in zip(got, want)) >= 7

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every CUDA check of the project in one run, for a GPU machine lent for a few minutes (the device tool):
 # the tests marked `gpu` (the chat model's cached decode in bf16, CUDA graphs = eager over the block tables, the
-# prefix cache with graphs; the decision scorer's whole-prompt and tail graphs and shared-prefix passes), then the chat engine's
+# prefix cache with graphs; int8 weights with graphs; the decision scorer's whole-prompt and tail graphs and shared-prefix passes), then the chat engine's
 # benchmark and the decision batch timings (bench.decision_batches, the synthetic scorer's model, with and
 # without tail graphs) on the device.
 #
@@ -48,7 +48,7 @@ python3 -c "import torch, transformers, sys; print(sys.version.split()[0], 'torc
 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 status=0
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decision.py tests/test_decision_prefix.py \
-  tests/test_chat_model.py tests/test_chat_engine.py tests/test_chat_prefix_cache.py 2>&1 \
+  tests/test_chat_model.py tests/test_chat_engine.py tests/test_chat_prefix_cache.py tests/test_small_linear.py 2>&1 \
   | tee "$out/gpu-tests.log" || status=1
 timeout 150 python3 -m bench.decision_batches --device cuda --repeats 4 --tail-graphs both --json "$out/decision-batches.json" 2>&1 \
   | grep -v "^\[transformers\]" | tee "$out/decision-batches.log" || status=1

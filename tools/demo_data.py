@@ -229,6 +229,11 @@ UNITS = ["km", "m", "cm", "kg", "g", "L", "ml", "miles", "metres", "feet", "C", 
 PIECES: list[str] = []
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 RESERVED: set[str] = set()
+# Shares before use_vocabulary (False: phase 1, the tokenizer's text) and after it (True: the later phases): of
+# any_json_conversation's keys drawn from KEY_WORDS (later fewer: a key is to be copied from the request, not
+# recalled), and of json_conversation's requests that name keys of any kind (later more).
+KNOWN_KEYS = {False: 0.7, True: 0.25}
+ANY_JSON = {False: 0.5, True: 0.75}
 
 
 def use_vocabulary(tok) -> None:
@@ -241,10 +246,7 @@ def use_vocabulary(tok) -> None:
         text = tok.token_bytes(i).decode("utf-8", errors="ignore").strip().lower()
         if len(text) >= 2 and text.isascii() and text.isalpha():
             pieces.add(text)
-    global KNOWN_KEYS, ANY_JSON
     PIECES[:] = sorted(pieces)
-    KNOWN_KEYS = 0.25    # fewer keys of the fixed list: a key is to be copied from the request, not recalled
-    ANY_JSON = 0.75      # and more requests that name their keys
     RESERVED.clear()
     RESERVED.update(w.lower() for w in H.WORDS_POOL + H.FIRST + H.LAST)
     RESERVED.update(part for keys in H.KEY_SETS for k in keys for part in [k, *k.split("_")])
@@ -414,8 +416,8 @@ def json_conversation(rng: random.Random) -> list[dict]:
     answered in JSON whose opening up to the first value (`{"capital": "`) is marked `forced`: what a JSON
     schema's grammar writes when the question does not ask for JSON (LangChain's with_structured_output). The
     training gives no loss on forced text, so the model learns to fill and close the object once it is open,
-    never to open one unasked. ANY_JSON of the time instead, a request naming keys of any kind (any_json_conversation)."""
-    if rng.random() < ANY_JSON:
+    never to open one unasked. a share of the time instead (ANY_JSON), a request naming keys of any kind (any_json_conversation)."""
+    if rng.random() < ANY_JSON[bool(PIECES)]:
         return any_json_conversation(rng)
     country = rng.choice(list(CAPITALS))
     keys = rng.choice(JSON_KEYS)
@@ -444,10 +446,6 @@ KEY_ASKS = ["Give me a JSON object about {t} with the keys {k}.", "JSON for {t},
             "Make up {t} and answer in JSON with keys {k}.", "JSON please, for {t}, with {k}."]
 
 
-KNOWN_KEYS = 0.7   # the share of keys of any_json_conversation drawn from KEY_WORDS (use_vocabulary: 0.25)
-ANY_JSON = 0.5     # the share of json_conversation's requests that name keys of any kind (use_vocabulary: 0.75)
-
-
 def key_list(rng: random.Random, keys: list[str]) -> str:
     """Keys as a request names them: plain or quoted, with commas or "and"."""
     shown = [f'"{k}"' if rng.random() < 0.3 else k for k in keys]
@@ -466,7 +464,7 @@ def any_json_conversation(rng: random.Random) -> list[dict]:
     object with exactly those keys in that order and values of its own."""
     keys = []
     while len(keys) < rng.choice([1, 2, 2, 2, 3, 3, 4]):
-        k = rng.choice(KEY_WORDS) if rng.random() < KNOWN_KEYS else word(rng)
+        k = rng.choice(KEY_WORDS) if rng.random() < KNOWN_KEYS[bool(PIECES)] else word(rng)
         if k not in keys:
             keys.append(k)
     topic = rng.choice(TOPICS)

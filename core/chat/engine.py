@@ -39,7 +39,7 @@ from .logits import LogitProcessor, LogprobResult, logprobs
 from .model import ChatNetwork
 from .outputs import OutputProcessor
 from .packed import PackedLinear, pack_linears
-from .quantized import Int8Linear, quantize_linears
+from .quantized import quantize_linears
 from .protocol import KV_CPU_BYTES, KV_CUDA_SHARE, EngineConfig, EngineStats, SamplingParams, TokenEvent
 from .sampler import sample
 from .scheduler import Request, Sample, Scheduler, new_request
@@ -81,9 +81,8 @@ class LLMEngine:
         self.sequence_len, self.vocab_size = cfg.sequence_len, cfg.vocab_size
         self.max_rows = config.max_rows
         self.device = model.get_device()
-        if config.weights == "int8" and not any(isinstance(m, Int8Linear) for m in model.modules()):
+        if config.weights == "int8":      # (a model quantized before has no nn.Linear left: nothing to do)
             quantize_linears(model, config.small_row_kernel)
-        if config.weights == "int8":
             self.linear = "int8"
         elif self.device.type == "cpu" and config.packed_linear:
             self.linear = self._pack(model, config.small_row_kernel)

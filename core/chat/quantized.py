@@ -12,7 +12,7 @@ weight instead of two (bf16) or four (fp32):
 - elsewhere (CUDA) the weight is dequantized into the model's dtype for each product (memory saved, no speed
   gained; CUDA graphs record it as any other op).
 
-What it costs in fidelity is measured in docs/configuration.md ("Weights in int8").
+What it costs in fidelity and what it gains is measured in docs/configuration.md ("One stream and int8 weights").
 """
 from __future__ import annotations
 

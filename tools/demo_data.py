@@ -416,7 +416,7 @@ def json_conversation(rng: random.Random) -> list[dict]:
     answered in JSON whose opening up to the first value (`{"capital": "`) is marked `forced`: what a JSON
     schema's grammar writes when the question does not ask for JSON (LangChain's with_structured_output). The
     training gives no loss on forced text, so the model learns to fill and close the object once it is open,
-    never to open one unasked. a share of the time instead (ANY_JSON), a request naming keys of any kind (any_json_conversation)."""
+    never to open one unasked. A share of the time instead (ANY_JSON), a request naming keys of any kind (any_json_conversation)."""
     if rng.random() < ANY_JSON[bool(PIECES)]:
         return any_json_conversation(rng)
     country = rng.choice(list(CAPITALS))

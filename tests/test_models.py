@@ -253,3 +253,48 @@ def test_each_chat_model_has_its_own_admission(multi):
         assert complete(base, "nano", n=4)["model"] == "nano"
     finally:
         delete_apps("admit")
+
+
+@pytest.mark.serve
+def test_a_model_served_with_int8_weights_answers_as_its_engine_does(serve_url):
+    """`chat_weights: int8` through the service: the demo chat model's replica runs its linear layers in int8
+    (/debug/stats), and chat completions from several clients at once, their prompts built by the chat template
+    (few-shot priming, the calculator), get what an int8 engine in this process answers to the same messages."""
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    from ray import serve
+
+    from core.chat import ChatPrompter, load_chat_defaults
+    from deployments.app import wire
+    from tools.demo_heldout import _run
+
+    demo = str(Path(__file__).resolve().parent.parent / "models" / "demo-chat")
+    args = AppArgs.model_validate({"device": "cpu", "chat_dtype": "float32", "chat_max_rows": 8, "chat_weights": "int8",
+                                   "models": [{"kind": "chat", "name": "demo-int8", "checkpoint": demo,
+                                               "deployment": SMALL}]})
+    serve.run(wire(args, {"Ingress": SMALL}), name="int8", route_prefix="/int8")
+    base = serve_url + "/int8"
+    questions = ["What is the capital of Peru?", "What is 17*23?", "Subtract 19 from 100.", "Hello",
+                 "what is 250 divided by 4", "Capital of Japan?"]
+    try:
+        assert httpx.get(f"{base}/debug/stats", timeout=30).json()["chat"]["linear"] == "int8"
+
+        def ask(q):
+            r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": q}], "max_tokens": 32, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        with ThreadPoolExecutor(len(questions)) as pool:
+            served = list(pool.map(ask, questions))
+    finally:
+        delete_apps("int8")
+    model, tok, cfg = load_chat_model(demo, "cpu")
+    defaults = load_chat_defaults(demo)
+    prompter = ChatPrompter(tok, cfg.sequence_len, defaults.fewshot, defaults.tool_format)
+    engine = LLMEngine(model, tok, max_rows=8, prefix_ids=prompter.prefix_ids, weights="int8", process=False)
+    alone = _run(engine, {i: (prompter.render([{"role": "user", "content": q}], 32).ids,
+                              SamplingParams(max_tokens=32, temperature=0.0)) for i, q in enumerate(questions)})
+    assert served == [alone[i]["text"] for i in range(len(questions))]
+    assert "Lima" in served[0] and "391" in served[1]

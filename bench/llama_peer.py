@@ -10,7 +10,9 @@ llama-cpp-python==0.3.36`), whose `convert_hf_to_gguf.py`, `conversion/` and `gg
 GPT-2 directory to GGUF. They are copied into the work folder and run by this project's interpreter (it has
 torch and transformers); the copy's `get_vocab_base_pre` falls back to "gpt-2" for the demo vocabulary, whose
 pre-tokenizer the converter does not know (prompts are token ids, so it does not matter), and the GPT-2
-directory gets the `n_ctx` the converter reads.
+directory gets the `n_ctx` the converter reads. On a CPU with AMX, llama.cpp as pip builds it (`GGML_NATIVE`,
+its AMX code on) stopped on the Q8_0 file with "Illegal instruction"; a build with AMX off runs it (the
+`CMAKE_ARGS` are in bench/README.md, "One stream at the memory floor").
 
 The model is bench.vllm_peer's random GPT-2 (`--shape`, the demo vocabulary of 2,048). Each round, alternating:
 llama.cpp with the bf16, Q8_0 and f32 GGUF (one process per file and thread count, the model loaded once,

@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -208,10 +209,17 @@ static void decode_kernel(const scalar_t* q, const Paged<scalar_t>& K, const Pag
                           int64_t H, int64_t window, float scale) {
   std::vector<int64_t> members, offsets, leader_of, shared_of;
   make_groups(window >= 0 ? nullptr : leaders, shared, B, K.bs, members, offsets, leader_of, shared_of);
-  const int64_t groups = leader_of.size();
-  at::parallel_for(0, groups * H, 1, [&](int64_t begin, int64_t end) {
+  const int64_t groups = leader_of.size(), items = groups * H;
+  // The threads take (group, head) items one at a time from a shared counter instead of a fixed share each:
+  // where other processes take a core for a while (the serving processes beside the engine), the thread left
+  // running does the rest of the items instead of waiting at the region's end for its preempted twin's share.
+  // An item computes the same bits whichever thread takes it.
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scores, qf, acc;
-    for (int64_t gh = begin; gh < end; ++gh) {
+    for (int64_t gh = next.fetch_add(1, std::memory_order_relaxed); gh < items;
+         gh = next.fetch_add(1, std::memory_order_relaxed)) {
       const int64_t g = gh / H, h = gh % H;
       attend_group(q, K, V, out, positions, &members[offsets[g]], offsets[g + 1] - offsets[g], leader_of[g],
                    shared_of[g], h, H, window, scale, scores, qf, acc);

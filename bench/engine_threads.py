@@ -1,6 +1,6 @@
 """Ways for the chat engine to use a second core, alone and beside work that wakes often (#53).
 
-    python -m bench.engine_threads [--workloads random-768 random-64] [--modes 1 2 split engines]
+    python -m bench.engine_threads [--workloads random-768 random-64] [--modes 1 2 split attn2 engines]
                                    [--passive both|on|off] [--competitor none 0 19] [--shape 4x256] [--rounds 1]
                                    [--attention-source FILE]
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from core.chat.quantized import quantize
 from core.chat.small_linear import kernel
 
 
@@ -34,8 +35,7 @@ def paths(n: int, k: int, rows: int):
     """name -> (callable, weight bytes read) for one shape and row count, all on one random weight."""
     g = torch.Generator().manual_seed(n * 7 + k)
     w = torch.randn(n, k, generator=g) * 0.02
-    scale = w.abs().amax(1) / 127
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    q, scale = quantize(w)          # as chat_weights: int8 quantizes
     wb = w.bfloat16()
     packed = torch.ops.mkldnn._reorder_linear_weight(wb, 32)
     x = torch.randn(rows, k, generator=g)
@@ -62,10 +62,7 @@ def streamed(n: int, k: int, rows: int, mb: int, threads: int, rounds: int) -> d
     g = torch.Generator().manual_seed(1)
     ws = [torch.randn(n, k, generator=g).bfloat16() for _ in range(count)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws]
-    quant = []
-    for w in ws:
-        scale = w.float().abs().amax(1) / 127
-        quant.append((torch.round(w.float() / scale[:, None]).to(torch.int8), scale))
+    quant = [quantize(w) for w in ws]
     x = torch.randn(rows, k, generator=g).bfloat16()
     ext = kernel()
     paths = {"ours bf16": (lambda: [ext.small_linear(x, w, None, None) for w in ws], 2),

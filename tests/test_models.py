@@ -53,7 +53,10 @@ def test_a_bad_models_list_is_refused_naming_the_problem(models, message):
 
 # ---- the service
 
-SMALL = {"ray_actor_options": {"num_cpus": 0.1}, "max_ongoing_requests": 32}
+# graceful_shutdown_timeout_s as the shipped configs have it (more than a replica's start on a busy host): in a
+# redeploy each one-replica deployment has a moment with no replica, and a request that the old Ingress holds
+# waits there for the model's new replica
+SMALL = {"ray_actor_options": {"num_cpus": 0.1}, "max_ongoing_requests": 32, "graceful_shutdown_timeout_s": 120}
 PROMPT = list(range(40, 60))
 
 
@@ -166,9 +169,10 @@ def test_a_model_added_and_replaced_while_another_streams(multi):
             body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True, "model": "nano"}
             try:
                 with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-                    lines = [line for line in r.iter_lines() if line.startswith("data: ")]
-                if r.status_code != 200 or lines[-1] != "data: [DONE]" or len(lines) < 10:
-                    failures.append((r.status_code, lines[-2:]))
+                    text = list(r.iter_lines())
+                lines = [line for line in text if line.startswith("data: ")]
+                if r.status_code != 200 or not lines or lines[-1] != "data: [DONE]" or len(lines) < 10:
+                    failures.append((r.status_code, text[-2:]))
             except httpx.HTTPError as e:
                 failures.append(repr(e))
 

@@ -127,10 +127,12 @@ CHAT_PHASES = [(4800, 3e-3, 0.0), (4800, 1e-3, 0.5)]
 
 
 def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None = None,
-               first_phase: str | None = None, arch: str = "nanochat") -> None:
+               first_phase: str | None = None, arch: str = "nanochat", layers: int = 4, width: int = 128,
+               heads: int = 4) -> None:
     """Train from scratch, or with `resume` (a checkpoint of the first phase) only the later phases on it;
     `first_phase`: where to save the model after the first phase too (for a later `resume`). arch "gpt2": a
-    GPT-2-architecture model of 2 x 128 instead (the second chat model of serve_config.models.yaml)."""
+    GPT-2-architecture model of 2 x 128 instead (the second chat model of serve_config.models.yaml).
+    `layers`, `width`, `heads`: the nanochat model's size (4 x 128 with 4 heads: the committed demo model)."""
     torch.manual_seed(seed)
     fmt = ToolFormat(**D.TOOL_FORMAT)
     first = 0
@@ -143,9 +145,9 @@ def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None =
         if arch == "gpt2":
             cfg = ChatModelConfig(arch="gpt2", vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_kv_head=4,
                                   n_embd=128, sequence_len=512, gelu_approximate="tanh")
-        else:   # nanochat's current architecture (nanochat_versions.py's newest version) at 4 x 128
-            cfg = ChatModelConfig(arch="nanochat", vocab_size=tok.vocab_size, n_layer=4, n_head=4, n_kv_head=4,
-                                  n_embd=128, sequence_len=512, rms_norm_eps=FP32_EPS, rope_theta=100000.0,
+        else:   # nanochat's current architecture (nanochat_versions.py's newest version), 4 x 128 by default
+            cfg = ChatModelConfig(arch="nanochat", vocab_size=tok.vocab_size, n_layer=layers, n_head=heads,
+                                  n_kv_head=heads, n_embd=width, sequence_len=512, rms_norm_eps=FP32_EPS, rope_theta=100000.0,
                                   qk_scale=1.2, window_pattern="SSSL", short_window=128, residual_lambdas=True,
                                   value_embeds=True, smear=True, backout=True)
         model = init_weights(build_model(cfg), seed=seed, std=0.02).train()
@@ -255,6 +257,8 @@ def main() -> None:
     p.add_argument("--first-phase", help="chat: also save the model after the first phase here")
     p.add_argument("--arch", choices=("nanochat", "gpt2"), default="nanochat",
                    help="chat: the architecture (gpt2: 2 x 128, for serve_config.models.yaml's second chat model)")
+    p.add_argument("--phase-steps", help="chat: each phase's steps, comma-separated (instead of --steps)")
+    p.add_argument("--size", default="4x128x4", help="chat, nanochat: LAYERSxWIDTHxHEADS of a model from scratch")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.which == "chat":
@@ -262,8 +266,11 @@ def main() -> None:
         if args.steps:   # scale every phase to the given total
             total = sum(phase[0] for phase in phases)
             phases = [(max(1, steps * args.steps // total), peak, share) for steps, peak, share in phases]
+        if args.phase_steps:
+            phases = [(int(n), peak, share) for n, (_, peak, share) in zip(args.phase_steps.split(","), phases,
+                                                                            strict=True)]
         train_chat(args.out or ("models/demo-chat" if args.arch == "nanochat" else "models/demo-gpt2"), phases,
-                   args.seed, args.resume, args.first_phase, args.arch)
+                   args.seed, args.resume, args.first_phase, args.arch, *map(int, args.size.split("x")))
     else:
         phases = DECISION_PHASES
         if args.steps:   # scale every phase to the given total

@@ -112,6 +112,16 @@ def test_int8_setting_is_checked():
         EngineConfig(weights="int4")
 
 
+def onednn_packs_bf16() -> bool:
+    """oneDNN packs bf16 weights only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 32)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not onednn_packs_bf16(), reason="oneDNN does not pack bf16 weights on this CPU")
 def test_packed_bf16_layers_take_the_kernel_at_few_rows_only(tokenizer, monkeypatch):
     """bf16 products of up to packed.SMALL_ROWS rows go to the kernel, more rows to oneDNN; the engine's stream is
     the same as with the kernel off except where one rounding flips a near tie (greedy agreement)."""

@@ -52,7 +52,10 @@ class Int8Linear(nn.Module):
         if device.type == "cpu":
             if packed_module.available() and dtype in packed_module.ROWS:
                 dequantized = (q.float() * scale[:, None]).to(dtype)
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(dequantized, packed_module.BATCH_HINT)
+                try:
+                    self.packed = torch.ops.mkldnn._reorder_linear_weight(dequantized, packed_module.BATCH_HINT)
+                except RuntimeError:   # oneDNN packs bf16 only with AVX-512 or AVX-NE-CONVERT: F.linear then
+                    self.packed = None
             if small_rows and small_kernel() is not None:
                 self.small_rows = SMALL_ROWS
 

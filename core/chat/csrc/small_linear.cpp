@@ -14,7 +14,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -44,6 +44,34 @@ static inline __m512 load16(const int8_t* p, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
 static inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t LANES = 8;
+// Eight weights from p as fp32.
+static inline __m256 load8(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline __m256 load8(const int8_t* p) {
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+constexpr int ACC = 4;   // registers per output's sum (bench/README.md, "The small-row kernel on AVX2")
+constexpr int RG = 4;    // rows of x per pass over a block's weight rows
+// The last K % 8 weights (the rest of the lanes zero), through a buffer: the same lanes as a full load.
+template <typename w_t>
+static inline __m256 load_tail(const w_t* p, int64_t n) {
+  alignas(32) float t[LANES] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int64_t i = 0; i < n; ++i) t[i] = weight_at(p, i);
+  return _mm256_load_ps(t);
+}
+static inline __m256 x_tail(const float* p, int64_t n) { return load_tail(p, n); }
+// The eight lanes' sum, in a fixed order.
+static inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
 #endif
 
 // Columns [n0, n1) of y for R rows of x (xf: fp32, R x K), NB weight rows at a time (independent sums keep
@@ -83,8 +111,43 @@ static void columns(const float* xf, const w_t* w, int64_t K, int64_t n0, int64_
     }
     for (int r = 0; r < R; ++r) acc_out[r * (n1 - n0) + (n - n0)] = _mm512_reduce_add_ps(acc[r]);
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // eight lanes; each output's sum in ACC registers (the row's 8-lane block b into register b % ACC), added in
+  // a fixed order at the end, so that its terms meet in the same order whatever R is. One weight row at a time,
+  // read straight through (several rows at once, as above, read at most two thirds as fast here: K = 768 rows
+  // are short streams), its R x ACC independent sums hiding the FMA's latency; the last K % 8 terms go through
+  // a zero-padded buffer. run() gives this at most RG rows at a time.
+  static_assert(R <= RG, "AVX2 columns: at most RG rows at a time");
+  const int64_t K8 = K - K % LANES;
+  for (; n < n1; ++n) {
+    const w_t* wr = w + n * K;
+    __m256 acc[R][ACC];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < ACC; ++a) acc[r][a] = _mm256_setzero_ps();
+    // the 8-lane block at k into register a (a loop over a constant range: the registers stay registers)
+    auto block = [&](int64_t k, int a) {
+      const __m256 wv = load8(wr + k);
+      for (int r = 0; r < R; ++r) acc[r][a] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + r * K + k), wv, acc[r][a]);
+    };
+    int64_t k = 0;
+    for (; k + ACC * LANES <= K8; k += ACC * LANES)
+      for (int a = 0; a < ACC; ++a) block(k + a * LANES, a);
+    for (int a = 0; a < ACC; ++a) {     // the blocks left (block k / 8 + a goes to register a), then the tail
+      const int64_t kk = k + a * LANES;
+      if (kk < K8) {
+        block(kk, a);
+      } else if (kk == K8 && K8 < K) {
+        const __m256 wv = load_tail(wr + K8, K - K8);
+        for (int r = 0; r < R; ++r) acc[r][a] = _mm256_fmadd_ps(x_tail(xf + r * K + K8, K - K8), wv, acc[r][a]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256 t = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3]));
+      acc_out[r * (n1 - n0) + (n - n0)] = sum8(t);
+    }
+  }
 #else
-  // without AVX-512: eight partial sums per dot product, which the compiler vectorises (-O3 -march=native
+  // without AVX-512 or AVX2: eight partial sums per dot product, which the compiler vectorises (-O3 -march=native
   // -ffast-math); their order is fixed, so a row's result does not depend on its batch either
   for (; n < n1; ++n)
     for (int r = 0; r < R; ++r) {
@@ -108,10 +171,19 @@ static void run(int64_t R, const float* xf, const w_t* w, int64_t K, int64_t n0,
     case 2: columns<2>(xf, w, K, n0, n1, acc); break;
     case 3: columns<3>(xf, w, K, n0, n1, acc); break;
     case 4: columns<4>(xf, w, K, n0, n1, acc); break;
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    // more than RG rows: the first RG, then the rest, each a pass over the block's weight rows (the later ones
+    // read them from the cache); every output's sum is the same either way
+    case 5: case 6: case 7: case 8:
+      columns<RG>(xf, w, K, n0, n1, acc);
+      run(R - RG, xf + RG * K, w, K, n0, n1, acc + RG * (n1 - n0));
+      break;
+#else
     case 5: columns<5>(xf, w, K, n0, n1, acc); break;
     case 6: columns<6>(xf, w, K, n0, n1, acc); break;
     case 7: columns<7>(xf, w, K, n0, n1, acc); break;
     case 8: columns<8>(xf, w, K, n0, n1, acc); break;
+#endif
     default: TORCH_CHECK(false, "small_linear: 1 to 8 rows");
   }
 }

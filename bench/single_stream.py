@@ -41,7 +41,9 @@ VARIANTS = {
     "bf16": (torch.bfloat16, dict()),
     "bf16-before": (torch.bfloat16, dict(small_row_kernel=False)),
     "int8": (torch.bfloat16, dict(weights="int8")),
+    "int8-fp32": (torch.float32, dict(weights="int8")),     # int8 weights, fp32 activations (chat_dtype auto on AVX2)
     "fp32": (torch.float32, dict()),
+    "fp32-before": (torch.float32, dict(small_row_kernel=False)),
 }
 
 

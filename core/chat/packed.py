@@ -35,11 +35,13 @@ MAX_ROWS = 64            # and so do products of more (prefill): there MKL's pro
 # bf16 products have no such range: oneDNN computes the original weight's too, and the packed one was faster at
 # 1-256 rows (bench/README.md, "The engine in the hardware's precision")
 ROWS = {torch.float32: (MIN_ROWS, MAX_ROWS), torch.bfloat16: (1, 1 << 62)}
-# bf16 products of at most this many rows (a decode step of one or two streams) by a weight of at least
+# bf16 and fp32 products of at most this many rows (a decode step of one or two streams) by a weight of at least
 # SMALL_MIN_WEIGHT elements go to small_linear.py's kernel instead, which reads such a weight near the memory's
 # rate where oneDNN's product does not; at 3 rows and more, or a weight that stays in the core's cache
-# (768 x 768), oneDNN's is faster (bench.small_linear; EngineConfig.small_row_kernel off: never)
-SMALL_ROWS = {torch.bfloat16: 2}
+# (768 x 768 bf16), oneDNN's is faster (bench.small_linear; EngineConfig.small_row_kernel off: never). fp32's
+# one- and two-row products otherwise go to MKL, which on the AVX2 EPYC used one core of two (bench/README.md,
+# "The small-row kernel on AVX2")
+SMALL_ROWS = {torch.bfloat16: 2, torch.float32: 2}
 SMALL_MIN_WEIGHT = 1 << 20
 
 
@@ -64,13 +66,15 @@ class PackedLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.size(-1)
-        least, most = ROWS[self.packed.dtype]      # pack_linears packs fp32 and bf16 weights only
-        if (x.device.type != "cpu" or x.dtype != self.packed.dtype or not least <= rows <= most
+        if (x.device.type != "cpu" or x.dtype != self.packed.dtype
                 or (torch.is_grad_enabled() and self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
+        rows = x.numel() // x.size(-1)
         if rows <= self.small_rows:
             return small_linear(x, self.weight, None, self.bias)
+        least, most = ROWS[self.packed.dtype]      # pack_linears packs fp32 and bf16 weights only
+        if not least <= rows <= most:
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

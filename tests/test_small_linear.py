@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from core.chat import EngineConfig, LLMEngine, SamplingParams
 from core.chat.quantized import Int8Linear, quantize, quantize_linears
 from core.chat.small_linear import kernel, small_linear
-from tests.conftest import tiny_model
+from tests.conftest import onednn_packs_bf16, tiny_model
 from tests.test_precision import greedy, prompts
 
 pytestmark = pytest.mark.skipif(kernel() is None, reason="the small-row kernel does not build here")
@@ -110,15 +110,6 @@ def test_int8_in_bf16_keeps_close_to_bf16(tokenizer):
 def test_int8_setting_is_checked():
     with pytest.raises(ValueError, match="weights must be one of"):
         EngineConfig(weights="int4")
-
-
-def onednn_packs_bf16() -> bool:
-    """oneDNN packs bf16 weights only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT."""
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 32)
-    except RuntimeError:
-        return False
-    return True
 
 
 @pytest.mark.skipif(not onednn_packs_bf16(), reason="oneDNN does not pack bf16 weights on this CPU")

@@ -134,15 +134,6 @@ def serve_url():
     ray.shutdown()
 
 
-def onednn_packs_bf16() -> bool:
-    """oneDNN packs bf16 weights only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (not on an AVX2 EPYC)."""
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 32)
-    except RuntimeError:
-        return False
-    return True
-
-
 def delete_apps(*names: str, timeout: float = 120) -> None:
     """Delete Serve applications together and wait until they are gone: each delete drains its replicas and stops
     their model processes (seconds each), so one after another they add up."""

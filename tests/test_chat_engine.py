@@ -6,7 +6,8 @@ import torch
 
 from core.chat import EngineError, EngineFull, LLMEngine, SamplingParams
 from core.chat.async_engine import ThreadEngine
-from tests.conftest import onednn_packs_bf16, tiny_model
+from core.chat.packed import packs
+from tests.conftest import tiny_model
 
 
 def run_alone(model, tokenizer, prompt, params):
@@ -410,7 +411,7 @@ def test_engine_runs_its_linear_layers_packed_and_generates_what_torch_linear_do
     import core.chat.packed as packed_module
     from core.chat.packed import PackedLinear
 
-    if dtype == "bfloat16" and not onednn_packs_bf16():
+    if dtype == "bfloat16" and not packs(torch.bfloat16):
         pytest.skip("oneDNN does not pack bf16 weights on this CPU")
     monkeypatch.setattr(packed_module, "MIN_WEIGHT", 0)
     fast = tiny_model(arch, tokenizer, seed=6, std=0.3).to(getattr(torch, dtype))

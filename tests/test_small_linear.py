@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from core.chat import EngineConfig, LLMEngine, SamplingParams
+from core.chat.packed import packs
 from core.chat.quantized import Int8Linear, quantize, quantize_linears
 from core.chat.small_linear import kernel, small_linear
-from tests.conftest import onednn_packs_bf16, tiny_model
+from tests.conftest import tiny_model
 from tests.test_precision import greedy, prompts
 
 pytestmark = pytest.mark.skipif(kernel() is None, reason="the small-row kernel does not build here")
@@ -112,7 +113,7 @@ def test_int8_setting_is_checked():
         EngineConfig(weights="int4")
 
 
-@pytest.mark.skipif(not onednn_packs_bf16(), reason="oneDNN does not pack bf16 weights on this CPU")
+@pytest.mark.skipif(not packs(torch.bfloat16), reason="oneDNN does not pack bf16 weights on this CPU")
 def test_packed_bf16_layers_take_the_kernel_at_few_rows_only(tokenizer, monkeypatch):
     """bf16 products of up to packed.SMALL_ROWS rows go to the kernel, more rows to oneDNN; the engine's stream is
     the same as with the kernel off except where one rounding flips a near tie (greedy agreement)."""

@@ -147,8 +147,8 @@ def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None =
                                   n_embd=128, sequence_len=512, gelu_approximate="tanh")
         else:   # nanochat's current architecture (nanochat_versions.py's newest version), 4 x 128 by default
             cfg = ChatModelConfig(arch="nanochat", vocab_size=tok.vocab_size, n_layer=layers, n_head=heads,
-                                  n_kv_head=heads, n_embd=width, sequence_len=512, rms_norm_eps=FP32_EPS, rope_theta=100000.0,
-                                  qk_scale=1.2, window_pattern="SSSL", short_window=128, residual_lambdas=True,
+                                  n_kv_head=heads, n_embd=width, sequence_len=512, rms_norm_eps=FP32_EPS,
+                                  rope_theta=100000.0, qk_scale=1.2, window_pattern="SSSL", short_window=128, residual_lambdas=True,
                                   value_embeds=True, smear=True, backout=True)
         model = init_weights(build_model(cfg), seed=seed, std=0.02).train()
     prompter = ChatPrompter(tok, cfg.sequence_len, FEWSHOT, fmt)
@@ -258,8 +258,10 @@ def main() -> None:
     p.add_argument("--arch", choices=("nanochat", "gpt2"), default="nanochat",
                    help="chat: the architecture (gpt2: 2 x 128, for serve_config.models.yaml's second chat model)")
     p.add_argument("--phase-steps", help="chat: each phase's steps, comma-separated (instead of --steps)")
-    p.add_argument("--size", default="4x128x4", help="chat, nanochat: LAYERSxWIDTHxHEADS of a model from scratch")
+    p.add_argument("--size", help="chat, nanochat: LAYERSxWIDTHxHEADS of a model from scratch (default 4x128x4)")
     args = p.parse_args()
+    if args.size and (args.which != "chat" or args.arch != "nanochat" or args.resume):
+        p.error("--size sizes a nanochat chat model trained from scratch (not with --arch gpt2 or --resume)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.which == "chat":
         phases = CHAT_PHASES
@@ -270,7 +272,7 @@ def main() -> None:
             phases = [(int(n), peak, share) for n, (_, peak, share) in zip(args.phase_steps.split(","), phases,
                                                                             strict=True)]
         train_chat(args.out or ("models/demo-chat" if args.arch == "nanochat" else "models/demo-gpt2"), phases,
-                   args.seed, args.resume, args.first_phase, args.arch, *map(int, args.size.split("x")))
+                   args.seed, args.resume, args.first_phase, args.arch, *map(int, (args.size or "4x128x4").split("x")))
     else:
         phases = DECISION_PHASES
         if args.steps:   # scale every phase to the given total

@@ -20,6 +20,8 @@ prefill's hundreds of rows gain nothing). `python -m bench.engine_profile --comp
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -47,6 +49,19 @@ SMALL_MIN_WEIGHT = 1 << 20
 
 def available() -> bool:
     return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+
+
+@functools.cache
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of `dtype` on this CPU: bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, so
+    an AVX2 EPYC packs fp32 only (asked once, with a tiny weight)."""
+    if not available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Linear):

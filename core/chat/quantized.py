@@ -50,12 +50,9 @@ class Int8Linear(nn.Module):
         self.packed = None          # oneDNN's packed copy of q * scale, for products of many rows on the CPU
         self.small_rows = 0
         if device.type == "cpu":
-            if packed_module.available() and dtype in packed_module.ROWS:
+            if dtype in packed_module.ROWS and packed_module.packs(dtype):   # else F.linear at 3 rows and more
                 dequantized = (q.float() * scale[:, None]).to(dtype)
-                try:
-                    self.packed = torch.ops.mkldnn._reorder_linear_weight(dequantized, packed_module.BATCH_HINT)
-                except RuntimeError:   # oneDNN packs bf16 only with AVX-512 or AVX-NE-CONVERT: F.linear then
-                    self.packed = None
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(dequantized, packed_module.BATCH_HINT)
             if small_rows and small_kernel() is not None:
                 self.small_rows = SMALL_ROWS
 

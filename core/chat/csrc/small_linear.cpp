@@ -58,14 +58,14 @@ static inline __m256 load8(const int8_t* p) {
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 constexpr int ACC = 4;   // registers per output's sum (bench/README.md, "The small-row kernel on AVX2")
 constexpr int RG = 4;    // rows of x per pass over a block's weight rows
-// The last K % 8 weights (the rest of the lanes zero), through a buffer: the same lanes as a full load.
+// The last K % 8 weights or values of x (the rest of the lanes zero), through a buffer: the same lanes as a
+// full load.
 template <typename w_t>
 static inline __m256 load_tail(const w_t* p, int64_t n) {
   alignas(32) float t[LANES] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   for (int64_t i = 0; i < n; ++i) t[i] = weight_at(p, i);
   return _mm256_load_ps(t);
 }
-static inline __m256 x_tail(const float* p, int64_t n) { return load_tail(p, n); }
 // The eight lanes' sum, in a fixed order.
 static inline float sum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -138,7 +138,7 @@ static void columns(const float* xf, const w_t* w, int64_t K, int64_t n0, int64_
         block(kk, a);
       } else if (kk == K8 && K8 < K) {
         const __m256 wv = load_tail(wr + K8, K - K8);
-        for (int r = 0; r < R; ++r) acc[r][a] = _mm256_fmadd_ps(x_tail(xf + r * K + K8, K - K8), wv, acc[r][a]);
+        for (int r = 0; r < R; ++r) acc[r][a] = _mm256_fmadd_ps(load_tail(xf + r * K + K8, K - K8), wv, acc[r][a]);
       }
     }
     for (int r = 0; r < R; ++r) {

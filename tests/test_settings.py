@@ -156,3 +156,16 @@ def test_flat_and_nested_arguments_mean_the_same_and_unknown_ones_are_named():
         AppArgs.model_validate({"frobnicate": 1})
     with pytest.raises(ValueError, match="needs the engine in its own process"):
         AppArgs.model_validate({"chat_engine_process": False, "chat_engine_cpu_policy": "idle"})
+
+
+@pytest.mark.parametrize("name", CONFIGS + ["serve_config.models.yaml"])
+def test_every_shipped_config_lets_replaced_replicas_finish(name):
+    """Each chat model and the Ingress drain for 300 s when a redeploy or a downscale replaces them, each decision
+    model for 30 s: Serve's default of 20 s cut requests that an old Ingress held while the model it called was
+    restarting (docs/deployment.md)."""
+    args, deployments = shipped(name)
+    kinds = {"ChatModel": "chat", "DecisionModel": "decision", "Ingress": "ingress"}
+    found = {(kinds[d], opts.get("graceful_shutdown_timeout_s")) for d, opts in deployments.items() if d in kinds}
+    found |= {(m["kind"], m["deployment"].get("graceful_shutdown_timeout_s")) for m in args.get("models", [])}
+    assert found and found <= {("chat", 300), ("decision", 30), ("ingress", 300)}, found
+    assert "ingress" in {kind for kind, _ in found}

@@ -143,6 +143,38 @@ def test_packed_bf16_layers_take_the_kernel_at_few_rows_only(tokenizer, monkeypa
     assert sum(x == y for x, y in zip(got, want)) >= 6
 
 
+def test_fp32_layers_take_the_kernel_at_one_and_two_rows(tokenizer, monkeypatch):
+    """fp32 products of one or two rows go to the kernel (not MKL's addmm, not oneDNN), to fp32 rounding of
+    torch's product; three rows stay on F.linear and from packed.MIN_ROWS on oneDNN's packed product; the engine
+    generates what the same model generates with the kernel off."""
+    import core.chat.packed as packed_module
+
+    monkeypatch.setattr(packed_module, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(packed_module, "SMALL_MIN_WEIGHT", 0)
+    on = tiny_model("gpt2", tokenizer, seed=6, std=0.3)
+    off = tiny_model("gpt2", tokenizer, seed=6, std=0.3)
+    a = LLMEngine(on, tokenizer, max_rows=8)
+    b = LLMEngine(off, tokenizer, max_rows=8, small_row_kernel=False)
+    lin = on.transformer.h[0].mlp.c_fc
+    assert lin.small_rows == packed_module.SMALL_ROWS[torch.float32] == 2
+    assert off.transformer.h[0].mlp.c_fc.small_rows == 0
+    ops = {}
+    for rows in (1, 2, 3, packed_module.MIN_ROWS):
+        x = torch.randn(rows, lin.in_features)
+        with torch.no_grad(), torch.profiler.profile() as prof:
+            y = lin(x)
+        ops[rows] = {e.key for e in prof.key_averages()}
+        with torch.no_grad():
+            want = F.linear(x, lin.weight, lin.bias)
+        assert (y - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert not {"aten::addmm", "mkldnn::_linear_pointwise"} & (ops[1] | ops[2])
+    assert "aten::addmm" in ops[3] and "mkldnn::_linear_pointwise" in ops[packed_module.MIN_ROWS]
+    ps = prompts(8, seed=9)
+    with torch.no_grad():
+        got, want = greedy(a, ps), greedy(b, ps)
+    assert sum(x == y for x, y in zip(got, want)) >= 7
+
+
 def test_chat_weights_int8_reaches_the_engine_a_replica_builds(tmp_path):
     """`chat_weights: int8` in the application's arguments: the chat replica's engine start carries it and the
     engine it builds runs the demo checkpoint's linear layers in int8 and answers; a value it does not know is

@@ -80,10 +80,14 @@ def render_training(prompter: ChatPrompter, msgs: list[dict], tools: list[dict] 
     return ids, mask
 
 
-def chat_example(rng: random.Random, tools_share: float) -> tuple[list[dict], list[dict] | None]:
-    """One training conversation and the tools it offers (None): with probability `tools_share` a tool
+def chat_example(rng: random.Random, tools_share: float, keys_share: float = 0.0
+                 ) -> tuple[list[dict], list[dict] | None]:
+    """One training conversation and the tools it offers (None): with probability `keys_share` a JSON reply
+    with the keys its request names (D.any_json_conversation); else with probability `tools_share` a tool
     conversation (D.tool_conversation), with a quarter of that a JSON reply and another quarter a JSON object
     as a named function's arguments, else phase 1's conversations."""
+    if keys_share and rng.random() < keys_share:
+        return D.any_json_conversation(rng), None
     u = rng.random()
     if u < tools_share:
         tools, msgs, _ = D.tool_conversation(rng)
@@ -96,13 +100,14 @@ def chat_example(rng: random.Random, tools_share: float) -> tuple[list[dict], li
     return D.conversation(rng)[0], None
 
 
-def chat_phase(model, prompter, rng, steps: int, peak: float, tools_share: float, batch: int = 32) -> None:
+def chat_phase(model, prompter, rng, steps: int, peak: float, tools_share: float, keys_share: float = 0.0,
+               batch: int = 32) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=peak, betas=(0.9, 0.95), weight_decay=0.0)
     t0 = time.time()
     for step in range(steps):
         # batches cut from a pool sorted by length, so that a short conversation is not padded to a tool one's
-        pool = sorted((render_training(prompter, *chat_example(rng, tools_share)) for _ in range(batch * POOL)),
-                      key=lambda x: len(x[0]))
+        pool = sorted((render_training(prompter, *chat_example(rng, tools_share, keys_share))
+                       for _ in range(batch * POOL)), key=lambda x: len(x[0]))
         for k in range(POOL):
             seqs = pool[k * batch:(k + 1) * batch]
             T = max(len(s) for s, _ in seqs)
@@ -120,28 +125,47 @@ def chat_phase(model, prompter, rng, steps: int, peak: float, tools_share: float
                         time.time() - t0)
 
 
-# Chat training runs in phases of (steps, peak learning rate, share of tool conversations): the first learns the
-# conversations (greetings, capitals, the calculator); the second adds tool calls in the checkpoint's format and
-# JSON replies, with the first phase's conversations still in the mix so that they are not forgotten.
-CHAT_PHASES = [(4800, 3e-3, 0.0), (4800, 1e-3, 0.5)]
+# Split patterns of the chat tokenizer. nanochat's (rustbpe's default) lets a word take the character before it, so
+# a word in prose (" town": ` t`, `ow`, `n`) and the same word as a JSON key (`{"town"`: `t`, `ow`, `n`) or at the
+# start of a tool's result are different tokens, and copying it means spelling it anew. "words" keeps a space out
+# of the word after it (a space is a token of its own): prose and JSON keys tokenize a word the same, for about a
+# quarter more tokens a conversation (docs/demo-models.md has the probe that compared them).
+SPLITS = {"nanochat": None,
+          "words": r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N} ]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""}
+
+
+# Chat training runs in phases: the first learns the conversations (greetings, capitals, the calculator); the
+# second adds tool calls in the checkpoint's format and JSON replies, with the first phase's conversations still in
+# the mix so that they are not forgotten. A phase's keys_share adds JSON replies with the keys their request names
+# (a third phase of them on the committed weights was measured: docs/demo-models.md).
+class ChatPhase(NamedTuple):
+    steps: int
+    peak_lr: float
+    tools_share: float            # tool conversations, and JSON at half of this (chat_example)
+    keys_share: float = 0.0       # JSON replies with the keys the request names, before the rest
+
+
+CHAT_PHASES = [ChatPhase(4800, 3e-3, 0.0), ChatPhase(4800, 1e-3, 0.5)]
 
 
 def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None = None,
                first_phase: str | None = None, arch: str = "nanochat", layers: int = 4, width: int = 128,
-               heads: int = 4) -> None:
-    """Train from scratch, or with `resume` (a checkpoint of the first phase) only the later phases on it;
-    `first_phase`: where to save the model after the first phase too (for a later `resume`). arch "gpt2": a
+               heads: int = 4, resume_phase: int = 1, split: str = "nanochat") -> None:
+    """Train from scratch, or with `resume` (a checkpoint of the phases before `resume_phase`) only the phases
+    from `resume_phase` on it; `first_phase`: where to save the model after the first phase too (for a later
+    `resume`). arch "gpt2": a
     GPT-2-architecture model of 2 x 128 instead (the second chat model of serve_config.models.yaml).
-    `layers`, `width`, `heads`: the nanochat model's size (4 x 128 with 4 heads: the committed demo model)."""
+    `layers`, `width`, `heads`: the nanochat model's size (4 x 128 with 4 heads: the committed demo model);
+    `split`: the tokenizer's split pattern, a key of SPLITS (a resumed run keeps its checkpoint's tokenizer)."""
     torch.manual_seed(seed)
     fmt = ToolFormat(**D.TOOL_FORMAT)
     first = 0
     if resume:
         model, tok, cfg = load_chat_model(resume, device="cpu")
         model = model.float().train()
-        first = 1
+        first = resume_phase
     else:
-        tok = train_tokenizer(D.chat_corpus_text(seed=seed), 2048)
+        tok = train_tokenizer(D.chat_corpus_text(seed=seed), 2048, SPLITS[split])
         if arch == "gpt2":
             cfg = ChatModelConfig(arch="gpt2", vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_kv_head=4,
                                   n_embd=128, sequence_len=512, gelu_approximate="tanh")
@@ -154,11 +178,12 @@ def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None =
     prompter = ChatPrompter(tok, cfg.sequence_len, FEWSHOT, fmt)
     defaults = ChatDefaults(fewshot=FEWSHOT, temperature=0.0, top_k=None, top_p=1.0, max_tokens=64,
                             tool_call=dict(D.TOOL_FORMAT))
-    for i, (steps, peak, tools_share) in enumerate(phases[first:], start=first):
-        if i == 1:   # the later phases' made-up words use the tokenizer's pieces (phase 1 has none)
+    for i, phase in enumerate(phases[first:], start=first):
+        if i >= 1 and not D.PIECES:   # the later phases' made-up words use the tokenizer's pieces (phase 1 none)
             D.use_vocabulary(tok)
         # each phase draws its examples from its own seed, so a resumed run sees the data a whole run sees
-        chat_phase(model, prompter, random.Random(seed + 1000 * i), max(1, steps // POOL), peak, tools_share)
+        chat_phase(model, prompter, random.Random(seed + 1000 * i), max(1, phase.steps // POOL), phase.peak_lr,
+                   phase.tools_share, phase.keys_share)
         if i == 0 and first_phase:
             save_chat_model(first_phase, model.eval(), tok, defaults, dtype=torch.bfloat16)
             model.train()
@@ -253,26 +278,34 @@ def main() -> None:
     p.add_argument("--out")
     p.add_argument("--steps", type=int)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", help="chat: a checkpoint of the first phase; only the later phases run on it")
+    p.add_argument("--resume", help="chat: a checkpoint of the phases before --resume-phase; only the phases from "
+                   "there run on it")
+    p.add_argument("--resume-phase", type=int, default=1,
+                   help="chat, with --resume: the first phase to run (phases count from 0; default 1)")
     p.add_argument("--first-phase", help="chat: also save the model after the first phase here")
     p.add_argument("--arch", choices=("nanochat", "gpt2"), default="nanochat",
                    help="chat: the architecture (gpt2: 2 x 128, for serve_config.models.yaml's second chat model)")
     p.add_argument("--phase-steps", help="chat: each phase's steps, comma-separated (instead of --steps)")
     p.add_argument("--size", help="chat, nanochat: LAYERSxWIDTHxHEADS of a model from scratch (default 4x128x4)")
+    p.add_argument("--split", choices=tuple(SPLITS), default="nanochat",
+                   help="chat: the tokenizer's split pattern for a run from scratch (SPLITS)")
     args = p.parse_args()
     if args.size and (args.which != "chat" or args.arch != "nanochat" or args.resume):
         p.error("--size sizes a nanochat chat model trained from scratch (not with --arch gpt2 or --resume)")
+    if args.split != "nanochat" and (args.which != "chat" or args.resume):
+        p.error("--split chooses the tokenizer of a chat model trained from scratch (not with --resume)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.which == "chat":
         phases = CHAT_PHASES
         if args.steps:   # scale every phase to the given total
-            total = sum(phase[0] for phase in phases)
-            phases = [(max(1, steps * args.steps // total), peak, share) for steps, peak, share in phases]
+            total = sum(phase.steps for phase in phases)
+            phases = [phase._replace(steps=max(1, phase.steps * args.steps // total)) for phase in phases]
         if args.phase_steps:
-            phases = [(int(n), peak, share) for n, (_, peak, share) in zip(args.phase_steps.split(","), phases,
-                                                                            strict=True)]
+            phases = [phase._replace(steps=int(n)) for n, phase in zip(args.phase_steps.split(","), phases,
+                                                                        strict=True)]
         train_chat(args.out or ("models/demo-chat" if args.arch == "nanochat" else "models/demo-gpt2"), phases,
-                   args.seed, args.resume, args.first_phase, args.arch, *map(int, (args.size or "4x128x4").split("x")))
+                   args.seed, args.resume, args.first_phase, args.arch, *map(int, (args.size or "4x128x4").split("x")),
+                   resume_phase=args.resume_phase, split=args.split)
     else:
         phases = DECISION_PHASES
         if args.steps:   # scale every phase to the given total

@@ -124,12 +124,16 @@ class ChatTokenizer:
         return StreamDecoder(self)
 
 
-def train_tokenizer(texts, vocab_size: int) -> ChatTokenizer:
-    """Train a byte-level BPE with rustbpe (a test/training dependency) and add the chat special tokens."""
+def train_tokenizer(texts, vocab_size: int, pattern: str | None = None) -> ChatTokenizer:
+    """Train a byte-level BPE with rustbpe (a test/training dependency) and add the chat special tokens; `pattern`:
+    the split pattern (default rustbpe's, which is nanochat's)."""
     import rustbpe
 
     bpe = rustbpe.Tokenizer()
-    bpe.train_from_iterator(iter(texts), vocab_size - len(SPECIAL_TOKENS))
+    if pattern is None:
+        bpe.train_from_iterator(iter(texts), vocab_size - len(SPECIAL_TOKENS))
+    else:
+        bpe.train_from_iterator(iter(texts), vocab_size - len(SPECIAL_TOKENS), pattern=pattern)
     ranks = {bytes(tok): rank for tok, rank in bpe.get_mergeable_ranks()}
     return ChatTokenizer.from_ranks(ranks, bpe.get_pattern())
 

@@ -1,0 +1,77 @@
+"""One stream's decode step in parts: the linear products, the attention kernel, and the rest (#55).
+
+    python -m bench.step_parts [--shape 12x768] [--variant int8-fp32] [--threads 1] [--rounds 3]
+
+bench.single_stream's engine (the random GPT-2, a 64-token prompt, 128 new tokens, greedy), with the small-row
+kernel's products and the cache attention timed in place (a wall clock around each call; torch's profiler does
+not see either, both being our extensions' functions). Per round: TPOT, the products' time a step and the rate
+at which they read the weights, the attention's time a step, and the rest (torch's own ops, Python, the engine).
+Then the products of the round's last step again, back to back on the same weights in the same order with
+nothing between them: if they run faster so, the step's other work slows them (caches, prefetchers).
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+import core.chat.model as model_module
+import core.chat.packed as packed_module
+import core.chat.quantized as quantized_module
+from bench.single_stream import VARIANTS, engine_for, one_run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="12x768")
+    p.add_argument("--variant", default="int8-fp32", choices=tuple(VARIANTS))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    layers, width = map(int, args.shape.lower().split("x"))
+    engine = engine_for((layers, width), args.variant, 1)
+    products, attention = [], [0.0]
+    real_linear, real_attention = quantized_module.small_linear, model_module.cache_attention
+
+    def timed_linear(x, w, scale=None, bias=None):
+        t0 = time.perf_counter()
+        y = real_linear(x, w, scale, bias)
+        products.append((time.perf_counter() - t0, x, w, scale, bias))
+        return y
+
+    def timed_attention(*a, **k):
+        t0 = time.perf_counter()
+        y = real_attention(*a, **k)
+        attention[0] += time.perf_counter() - t0
+        return y
+
+    quantized_module.small_linear = packed_module.small_linear = timed_linear
+    model_module.cache_attention = timed_attention
+    print(f"{platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), GPT-2 {args.shape}, "
+          f"{args.variant}, one stream, 64-token prompt, 128 new tokens")
+    for r in range(args.rounds):
+        products.clear()
+        attention[0] = 0.0
+        _, tpot = one_run(engine, 1, 64, 128, r)
+        steps = 127                          # the decode steps (the prefill's products go to oneDNN)
+        if not products:
+            raise SystemExit(f"{args.variant}: no product went through the small-row kernel here")
+        spent = sum(t for t, *_ in products) / steps
+        read = sum(w.numel() * w.element_size() for _, _, w, _, _ in products) / steps
+        attn = attention[0] / (steps + 1)    # (the prefill's one pass is a step's worth at most: counted in)
+        last = products[-(len(products) // steps):]
+        t0 = time.perf_counter()
+        for _ in range(40):
+            for _, x, w, scale, bias in last:
+                real_linear(x, w, scale, bias)
+        alone = (time.perf_counter() - t0) / 40
+        print(f"round {r}: TPOT {tpot * 1e3:.2f} ms = products {spent * 1e3:.2f} ({read / spent / 1e9:.1f} GB/s) "
+              f"+ attention {attn * 1e3:.2f} + the rest {(tpot - spent - attn) * 1e3:.2f}; the same products back "
+              f"to back {alone * 1e3:.2f} ms ({read / alone / 1e9:.1f} GB/s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -153,8 +153,8 @@ def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None =
                heads: int = 4, resume_phase: int = 1, split: str = "nanochat") -> None:
     """Train from scratch, or with `resume` (a checkpoint of the phases before `resume_phase`) only the phases
     from `resume_phase` on it; `first_phase`: where to save the model after the first phase too (for a later
-    `resume`). arch "gpt2": a
-    GPT-2-architecture model of 2 x 128 instead (the second chat model of serve_config.models.yaml).
+    `resume`). arch "gpt2": a GPT-2-architecture model of 2 x 128 instead (the second chat model of
+    serve_config.models.yaml).
     `layers`, `width`, `heads`: the nanochat model's size (4 x 128 with 4 heads: the committed demo model);
     `split`: the tokenizer's split pattern, a key of SPLITS (a resumed run keeps its checkpoint's tokenizer)."""
     torch.manual_seed(seed)
@@ -179,7 +179,7 @@ def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None =
     defaults = ChatDefaults(fewshot=FEWSHOT, temperature=0.0, top_k=None, top_p=1.0, max_tokens=64,
                             tool_call=dict(D.TOOL_FORMAT))
     for i, phase in enumerate(phases[first:], start=first):
-        if i >= 1 and not D.PIECES:   # the later phases' made-up words use the tokenizer's pieces (phase 1 none)
+        if i == max(first, 1):   # the later phases' made-up words use the tokenizer's pieces (phase 1 has none)
             D.use_vocabulary(tok)
         # each phase draws its examples from its own seed, so a resumed run sees the data a whole run sees
         chat_phase(model, prompter, random.Random(seed + 1000 * i), max(1, phase.steps // POOL), phase.peak_lr,

@@ -34,7 +34,8 @@ def test_a_run_resumed_at_a_later_phase_trains_only_that_phase(tmp_path, monkeyp
     ran = []
     real = T.chat_phase
     monkeypatch.setattr(T, "chat_phase", lambda *a, **k: ran.append(a[4:]) or real(*a, **k))
-    phases = [T.ChatPhase(10**6, 1.0, 0.0), T.ChatPhase(10**6, 1.0, 0.5), T.ChatPhase(T.POOL, 5e-4, 0.5, 0.4)]
+    # (the phases before it: one outer step each, so that a run of them shows in `ran` rather than taking hours)
+    phases = [T.ChatPhase(T.POOL, 1e-3, 0.0), T.ChatPhase(T.POOL, 2e-3, 0.5), T.ChatPhase(T.POOL, 5e-4, 0.5, 0.4)]
     T.train_chat(str(tmp_path / "out"), phases, resume=DEMO, resume_phase=2)
     assert ran == [(5e-4, 0.5, 0.4)]            # phase 2 alone: learning rate, tools share, keys share
     assert len(D.PIECES) > 500                  # its made-up words use the tokenizer's pieces, as in a whole run

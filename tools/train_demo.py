@@ -125,12 +125,13 @@ def chat_phase(model, prompter, rng, steps: int, peak: float, tools_share: float
                         time.time() - t0)
 
 
-# Split patterns of the chat tokenizer. nanochat's (rustbpe's default) lets a word take the character before it, so
+# Split patterns of the chat tokenizer. GPT-4's (rustbpe's default; nanochat's differs only in grouping digits by
+# two, the committed demo tokenizer's) lets a word take the character before it, so
 # a word in prose (" town": ` t`, `ow`, `n`) and the same word as a JSON key (`{"town"`: `t`, `ow`, `n`) or at the
 # start of a tool's result are different tokens, and copying it means spelling it anew. "words" keeps a space out
 # of the word after it (a space is a token of its own): prose and JSON keys tokenize a word the same, for about a
 # quarter more tokens a conversation (docs/demo-models.md has the probe that compared them).
-SPLITS = {"nanochat": None,
+SPLITS = {"gpt4": None,
           "words": r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N} ]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""}
 
 
@@ -150,7 +151,7 @@ CHAT_PHASES = [ChatPhase(4800, 3e-3, 0.0), ChatPhase(4800, 1e-3, 0.5)]
 
 def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None = None,
                first_phase: str | None = None, arch: str = "nanochat", layers: int = 4, width: int = 128,
-               heads: int = 4, resume_phase: int = 1, split: str = "nanochat") -> None:
+               heads: int = 4, resume_phase: int = 1, split: str = "gpt4") -> None:
     """Train from scratch, or with `resume` (a checkpoint of the phases before `resume_phase`) only the phases
     from `resume_phase` on it; `first_phase`: where to save the model after the first phase too (for a later
     `resume`). arch "gpt2": a GPT-2-architecture model of 2 x 128 instead (the second chat model of
@@ -287,12 +288,12 @@ def main() -> None:
                    help="chat: the architecture (gpt2: 2 x 128, for serve_config.models.yaml's second chat model)")
     p.add_argument("--phase-steps", help="chat: each phase's steps, comma-separated (instead of --steps)")
     p.add_argument("--size", help="chat, nanochat: LAYERSxWIDTHxHEADS of a model from scratch (default 4x128x4)")
-    p.add_argument("--split", choices=tuple(SPLITS), default="nanochat",
+    p.add_argument("--split", choices=tuple(SPLITS), default="gpt4",
                    help="chat: the tokenizer's split pattern for a run from scratch (SPLITS)")
     args = p.parse_args()
     if args.size and (args.which != "chat" or args.arch != "nanochat" or args.resume):
         p.error("--size sizes a nanochat chat model trained from scratch (not with --arch gpt2 or --resume)")
-    if args.split != "nanochat" and (args.which != "chat" or args.resume):
+    if args.split != "gpt4" and (args.which != "chat" or args.resume):
         p.error("--split chooses the tokenizer of a chat model trained from scratch (not with --resume)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.which == "chat":

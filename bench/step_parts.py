@@ -42,10 +42,11 @@ def main() -> None:
         products.append((time.perf_counter() - t0, x, w, scale, bias))
         return y
 
-    def timed_attention(*a, **k):
+    def timed_attention(q, *a, **k):
         t0 = time.perf_counter()
-        y = real_attention(*a, **k)
-        attention[0] += time.perf_counter() - t0
+        y = real_attention(q, *a, **k)
+        if q.size(2) == 1:                   # a decode pass (q: batch, heads, positions, head size), not the prefill
+            attention[0] += time.perf_counter() - t0
         return y
 
     quantized_module.small_linear = packed_module.small_linear = timed_linear
@@ -61,7 +62,7 @@ def main() -> None:
             raise SystemExit(f"{args.variant}: no product went through the small-row kernel here")
         spent = sum(t for t, *_ in products) / steps
         read = sum(w.numel() * w.element_size() for _, _, w, _, _ in products) / steps
-        attn = attention[0] / (steps + 1)    # (the prefill's one pass is a step's worth at most: counted in)
+        attn = attention[0] / steps
         last = products[-(len(products) // steps):]
         t0 = time.perf_counter()
         for _ in range(40):

@@ -49,7 +49,8 @@ def test_a_run_resumed_at_a_later_phase_trains_only_that_phase(tmp_path, monkeyp
 
 def test_the_words_split_spells_a_word_in_prose_as_in_a_json_key():
     """SPLITS["words"]: the keys a request names tokenize in its prose as in the JSON reply's keys (what makes the
-    copy a copy of the same tokens); with GPT-4's split (the committed tokenizer's) most do not, which is what the words split is for."""
+    copy a copy of the same tokens); with GPT-4's split (the committed tokenizer's) most do not, which is what the
+    words split is for."""
     from core.chat.tokenizer import train_tokenizer
     from tools import demo_heldout as H
 

@@ -125,14 +125,15 @@ def chat_phase(model, prompter, rng, steps: int, peak: float, tools_share: float
                         time.time() - t0)
 
 
-# Split patterns of the chat tokenizer. GPT-4's (rustbpe's default; nanochat's differs only in grouping digits by
-# two, the committed demo tokenizer's) lets a word take the character before it, so
-# a word in prose (" town": ` t`, `ow`, `n`) and the same word as a JSON key (`{"town"`: `t`, `ow`, `n`) or at the
-# start of a tool's result are different tokens, and copying it means spelling it anew. "words" keeps a space out
-# of the word after it (a space is a token of its own): prose and JSON keys tokenize a word the same, for about a
-# quarter more tokens a conversation (docs/demo-models.md has the probe that compared them).
+# Split patterns of the chat tokenizer. GPT-4's (rustbpe's default and the committed demo tokenizer's; nanochat's
+# differs only in grouping digits by two) lets a word take the character before it, so a word in prose (" town":
+# ` t`, `ow`, `n`) and the same word as a JSON key (`{"town"`: `t`, `ow`, `n`) or at the start of a tool's result
+# are different tokens, and copying it means spelling it anew. "words" keeps a space out of the word after it (a
+# space is a token of its own): prose and JSON keys tokenize a word the same, for about a quarter more tokens a
+# conversation (docs/demo-models.md has the probe that compared them).
 SPLITS = {"gpt4": None,
-          "words": r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N} ]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""}
+          "words": (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N} ]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
+                    r"""|\s*[\r\n]|\s+(?!\S)|\s+""")}
 
 
 # Chat training runs in phases: the first learns the conversations (greetings, capitals, the calculator); the
@@ -173,8 +174,8 @@ def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None =
         else:   # nanochat's current architecture (nanochat_versions.py's newest version), 4 x 128 by default
             cfg = ChatModelConfig(arch="nanochat", vocab_size=tok.vocab_size, n_layer=layers, n_head=heads,
                                   n_kv_head=heads, n_embd=width, sequence_len=512, rms_norm_eps=FP32_EPS,
-                                  rope_theta=100000.0, qk_scale=1.2, window_pattern="SSSL", short_window=128, residual_lambdas=True,
-                                  value_embeds=True, smear=True, backout=True)
+                                  rope_theta=100000.0, qk_scale=1.2, window_pattern="SSSL", short_window=128,
+                                  residual_lambdas=True, value_embeds=True, smear=True, backout=True)
         model = init_weights(build_model(cfg), seed=seed, std=0.02).train()
     prompter = ChatPrompter(tok, cfg.sequence_len, FEWSHOT, fmt)
     defaults = ChatDefaults(fewshot=FEWSHOT, temperature=0.0, top_k=None, top_p=1.0, max_tokens=64,
@@ -305,8 +306,8 @@ def main() -> None:
             phases = [phase._replace(steps=int(n)) for n, phase in zip(args.phase_steps.split(","), phases,
                                                                         strict=True)]
         train_chat(args.out or ("models/demo-chat" if args.arch == "nanochat" else "models/demo-gpt2"), phases,
-                   args.seed, args.resume, args.first_phase, args.arch, *map(int, (args.size or "4x128x4").split("x")),
-                   resume_phase=args.resume_phase, split=args.split)
+                   args.seed, args.resume, args.first_phase, args.arch,
+                   *map(int, (args.size or "4x128x4").split("x")), resume_phase=args.resume_phase, split=args.split)
     else:
         phases = DECISION_PHASES
         if args.steps:   # scale every phase to the given total

@@ -126,14 +126,11 @@ class ChatTokenizer:
 
 def train_tokenizer(texts, vocab_size: int, pattern: str | None = None) -> ChatTokenizer:
     """Train a byte-level BPE with rustbpe (a test/training dependency) and add the chat special tokens; `pattern`:
-    the split pattern (default rustbpe's, which is nanochat's)."""
+    the split pattern (default rustbpe's own, GPT-4's)."""
     import rustbpe
 
     bpe = rustbpe.Tokenizer()
-    if pattern is None:
-        bpe.train_from_iterator(iter(texts), vocab_size - len(SPECIAL_TOKENS))
-    else:
-        bpe.train_from_iterator(iter(texts), vocab_size - len(SPECIAL_TOKENS), pattern=pattern)
+    bpe.train_from_iterator(iter(texts), vocab_size - len(SPECIAL_TOKENS), **({"pattern": pattern} if pattern else {}))
     ranks = {bytes(tok): rank for tok, rank in bpe.get_mergeable_ranks()}
     return ChatTokenizer.from_ranks(ranks, bpe.get_pattern())
 

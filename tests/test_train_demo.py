@@ -49,8 +49,9 @@ def test_a_run_resumed_at_a_later_phase_trains_only_that_phase(tmp_path, monkeyp
 
 def test_the_words_split_spells_a_word_in_prose_as_in_a_json_key():
     """SPLITS["words"]: the keys a request names tokenize in its prose as in the JSON reply's keys (what makes the
-    copy a copy of the same tokens); with GPT-4's split (the committed tokenizer's) most do not, which is what the
-    words split is for."""
+    copy a copy of the same tokens), in a tokenizer trained with it and in the committed demo-chat's; with GPT-4's
+    split (demo-gpt2's) most do not, which is what the words split is for."""
+    from core.chat.checkpoint import load_chat_tokenizer
     from core.chat.tokenizer import train_tokenizer
     from tools import demo_heldout as H
 
@@ -67,3 +68,6 @@ def test_the_words_split_spells_a_word_in_prose_as_in_a_json_key():
     gpt4 = train_tokenizer(texts, 2048, T.SPLITS["gpt4"])
     assert all(same(words, k) for k in keys), [k for k in keys if not same(words, k)]
     assert sum(same(gpt4, k) for k in keys) < len(keys) / 2
+    committed = load_chat_tokenizer(DEMO)[0]
+    assert all(same(committed, k) for k in keys), [k for k in keys if not same(committed, k)]
+    assert sum(same(load_chat_tokenizer(DEMO.replace("demo-chat", "demo-gpt2"))[0], k) for k in keys) < len(keys) / 2

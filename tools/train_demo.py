@@ -3,9 +3,10 @@
     python -m tools.train_demo chat [--out models/demo-chat] [--steps N]
     python -m tools.train_demo decision [--out models/demo-decision] [--steps N]
 
-chat: a rustbpe tokenizer (~2k tokens) and a small nanochat-architecture model trained on generated
-conversations (greetings, capitals of 50 countries, arithmetic through the calculator, follow-ups), with
-the loss on the assistant's own tokens only (not the user's, not the calculator's forced output).
+chat: a rustbpe tokenizer (~2k tokens, SPLITS["words"]) and a small nanochat-architecture model trained on
+generated conversations (greetings, capitals of 50 countries, arithmetic through the calculator, follow-ups,
+then tools and JSON), in the phases of CHAT_PHASES, with the loss on the assistant's own tokens only (not the
+user's, not the calculator's forced output).
 decision: a `tokenizers` BPE and a small Qwen3.5 hybrid (three Gated DeltaNet and three full-attention
 layers) trained on generated jevfmt questions, with the loss on the answer letter plus a next-token loss on
 the prompt, in the phases of DECISION_PHASES (docs/demo-models.md). Weights are saved in bf16.
@@ -125,12 +126,12 @@ def chat_phase(model, prompter, rng, steps: int, peak: float, tools_share: float
                         time.time() - t0)
 
 
-# Split patterns of the chat tokenizer. GPT-4's (rustbpe's default and the committed demo tokenizer's; nanochat's
+# Split patterns of the chat tokenizer. GPT-4's (rustbpe's default and demo-gpt2's tokenizer's; nanochat's
 # differs only in grouping digits by two) lets a word take the character before it, so a word in prose (" town":
 # ` t`, `ow`, `n`) and the same word as a JSON key (`{"town"`: `t`, `ow`, `n`) or at the start of a tool's result
 # are different tokens, and copying it means spelling it anew. "words" keeps a space out of the word after it (a
 # space is a token of its own): prose and JSON keys tokenize a word the same, for about a quarter more tokens a
-# conversation (docs/demo-models.md has the probe that compared them).
+# conversation; demo-chat's tokenizer (docs/demo-models.md has the probe that compared them and what it bought).
 SPLITS = {"gpt4": None,
           "words": (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N} ]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
                     r"""|\s*[\r\n]|\s+(?!\S)|\s+""")}
@@ -139,7 +140,7 @@ SPLITS = {"gpt4": None,
 # Chat training runs in phases: the first learns the conversations (greetings, capitals, the calculator); the
 # second adds tool calls in the checkpoint's format and JSON replies, with the first phase's conversations still in
 # the mix so that they are not forgotten. A phase's keys_share adds JSON replies with the keys their request names
-# (a third phase of them on the committed weights was measured: docs/demo-models.md).
+# (docs/demo-models.md has the shares measured).
 class ChatPhase(NamedTuple):
     steps: int
     peak_lr: float
@@ -147,18 +148,24 @@ class ChatPhase(NamedTuple):
     keys_share: float = 0.0       # JSON replies with the keys the request names, before the rest
 
 
-CHAT_PHASES = [ChatPhase(4800, 3e-3, 0.0), ChatPhase(4800, 1e-3, 0.5)]
+# The demo chat model's recipe (models/demo-chat, with SPLITS["words"]): four in ten of the second phase's
+# conversations are JSON replies with the keys their request names. demo-gpt2 keeps the recipe it was trained with
+# (GPT-4's split, no keys share: GPT2_CHAT_PHASES).
+CHAT_PHASES = [ChatPhase(4800, 3e-3, 0.0), ChatPhase(4800, 1e-3, 0.5, 0.4)]
+GPT2_CHAT_PHASES = [ChatPhase(4800, 3e-3, 0.0), ChatPhase(4800, 1e-3, 0.5)]
+DEFAULT_SPLIT = {"nanochat": "words", "gpt2": "gpt4"}
 
 
 def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None = None,
                first_phase: str | None = None, arch: str = "nanochat", layers: int = 4, width: int = 128,
-               heads: int = 4, resume_phase: int = 1, split: str = "gpt4") -> None:
+               heads: int = 4, resume_phase: int = 1, split: str | None = None) -> None:
     """Train from scratch, or with `resume` (a checkpoint of the phases before `resume_phase`) only the phases
     from `resume_phase` on it; `first_phase`: where to save the model after the first phase too (for a later
     `resume`). arch "gpt2": a GPT-2-architecture model of 2 x 128 instead (the second chat model of
     serve_config.models.yaml).
     `layers`, `width`, `heads`: the nanochat model's size (4 x 128 with 4 heads: the committed demo model);
-    `split`: the tokenizer's split pattern, a key of SPLITS (a resumed run keeps its checkpoint's tokenizer)."""
+    `split`: the tokenizer's split pattern, a key of SPLITS (default DEFAULT_SPLIT[arch]; a resumed run keeps its
+    checkpoint's tokenizer)."""
     torch.manual_seed(seed)
     fmt = ToolFormat(**D.TOOL_FORMAT)
     first = 0
@@ -167,7 +174,7 @@ def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None =
         model = model.float().train()
         first = resume_phase
     else:
-        tok = train_tokenizer(D.chat_corpus_text(seed=seed), 2048, SPLITS[split])
+        tok = train_tokenizer(D.chat_corpus_text(seed=seed), 2048, SPLITS[split or DEFAULT_SPLIT[arch]])
         if arch == "gpt2":
             cfg = ChatModelConfig(arch="gpt2", vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_kv_head=4,
                                   n_embd=128, sequence_len=512, gelu_approximate="tanh")
@@ -289,16 +296,17 @@ def main() -> None:
                    help="chat: the architecture (gpt2: 2 x 128, for serve_config.models.yaml's second chat model)")
     p.add_argument("--phase-steps", help="chat: each phase's steps, comma-separated (instead of --steps)")
     p.add_argument("--size", help="chat, nanochat: LAYERSxWIDTHxHEADS of a model from scratch (default 4x128x4)")
-    p.add_argument("--split", choices=tuple(SPLITS), default="gpt4",
-                   help="chat: the tokenizer's split pattern for a run from scratch (SPLITS)")
+    p.add_argument("--split", choices=tuple(SPLITS),
+                   help="chat: the tokenizer's split pattern for a run from scratch (SPLITS; default words for "
+                   "nanochat, gpt4 for gpt2)")
     args = p.parse_args()
     if args.size and (args.which != "chat" or args.arch != "nanochat" or args.resume):
         p.error("--size sizes a nanochat chat model trained from scratch (not with --arch gpt2 or --resume)")
-    if args.split != "gpt4" and (args.which != "chat" or args.resume):
+    if args.split and (args.which != "chat" or args.resume):
         p.error("--split chooses the tokenizer of a chat model trained from scratch (not with --resume)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.which == "chat":
-        phases = CHAT_PHASES
+        phases = CHAT_PHASES if args.arch == "nanochat" else GPT2_CHAT_PHASES
         if args.steps:   # scale every phase to the given total
             total = sum(phase.steps for phase in phases)
             phases = [phase._replace(steps=max(1, phase.steps * args.steps // total)) for phase in phases]

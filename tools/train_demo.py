@@ -156,7 +156,7 @@ GPT2_CHAT_PHASES = [ChatPhase(4800, 3e-3, 0.0), ChatPhase(4800, 1e-3, 0.5)]
 DEFAULT_SPLIT = {"nanochat": "words", "gpt2": "gpt4"}
 
 
-def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None = None,
+def train_chat(out: str, phases: list[ChatPhase] | None = None, seed: int = 0, resume: str | None = None,
                first_phase: str | None = None, arch: str = "nanochat", layers: int = 4, width: int = 128,
                heads: int = 4, resume_phase: int = 1, split: str | None = None) -> None:
     """Train from scratch, or with `resume` (a checkpoint of the phases before `resume_phase`) only the phases
@@ -164,8 +164,10 @@ def train_chat(out: str, phases=CHAT_PHASES, seed: int = 0, resume: str | None =
     `resume`). arch "gpt2": a GPT-2-architecture model of 2 x 128 instead (the second chat model of
     serve_config.models.yaml).
     `layers`, `width`, `heads`: the nanochat model's size (4 x 128 with 4 heads: the committed demo model);
-    `split`: the tokenizer's split pattern, a key of SPLITS (default DEFAULT_SPLIT[arch]; a resumed run keeps its
-    checkpoint's tokenizer)."""
+    `phases`: default the architecture's recipe (CHAT_PHASES, GPT2_CHAT_PHASES); `split`: the tokenizer's split
+    pattern, a key of SPLITS (default DEFAULT_SPLIT[arch]; a resumed run keeps its checkpoint's tokenizer)."""
+    if phases is None:
+        phases = CHAT_PHASES if arch == "nanochat" else GPT2_CHAT_PHASES
     torch.manual_seed(seed)
     fmt = ToolFormat(**D.TOOL_FORMAT)
     first = 0

@@ -10,6 +10,7 @@ from tools import demo_data as D
 from tools import train_demo as T
 
 DEMO = str(Path(__file__).resolve().parent.parent / "models" / "demo-chat")
+DEMO_GPT2 = str(Path(DEMO).parent / "demo-gpt2")
 
 
 def test_a_keys_share_of_zero_draws_the_data_the_earlier_phases_drew(monkeypatch):
@@ -70,4 +71,4 @@ def test_the_words_split_spells_a_word_in_prose_as_in_a_json_key():
     assert sum(same(gpt4, k) for k in keys) < len(keys) / 2
     committed = load_chat_tokenizer(DEMO)[0]
     assert all(same(committed, k) for k in keys), [k for k in keys if not same(committed, k)]
-    assert sum(same(load_chat_tokenizer(DEMO.replace("demo-chat", "demo-gpt2"))[0], k) for k in keys) < len(keys) / 2
+    assert sum(same(load_chat_tokenizer(DEMO_GPT2)[0], k) for k in keys) < len(keys) / 2

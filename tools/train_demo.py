@@ -153,6 +153,7 @@ class ChatPhase(NamedTuple):
 # (GPT-4's split, no keys share: GPT2_CHAT_PHASES).
 CHAT_PHASES = [ChatPhase(4800, 3e-3, 0.0), ChatPhase(4800, 1e-3, 0.5, 0.4)]
 GPT2_CHAT_PHASES = [ChatPhase(4800, 3e-3, 0.0), ChatPhase(4800, 1e-3, 0.5)]
+DEFAULT_PHASES = {"nanochat": CHAT_PHASES, "gpt2": GPT2_CHAT_PHASES}
 DEFAULT_SPLIT = {"nanochat": "words", "gpt2": "gpt4"}
 
 
@@ -164,10 +165,9 @@ def train_chat(out: str, phases: list[ChatPhase] | None = None, seed: int = 0, r
     `resume`). arch "gpt2": a GPT-2-architecture model of 2 x 128 instead (the second chat model of
     serve_config.models.yaml).
     `layers`, `width`, `heads`: the nanochat model's size (4 x 128 with 4 heads: the committed demo model);
-    `phases`: default the architecture's recipe (CHAT_PHASES, GPT2_CHAT_PHASES); `split`: the tokenizer's split
-    pattern, a key of SPLITS (default DEFAULT_SPLIT[arch]; a resumed run keeps its checkpoint's tokenizer)."""
-    if phases is None:
-        phases = CHAT_PHASES if arch == "nanochat" else GPT2_CHAT_PHASES
+    `phases`: default DEFAULT_PHASES[arch]; `split`: the tokenizer's split pattern, a key of SPLITS (default
+    DEFAULT_SPLIT[arch]; a resumed run keeps its checkpoint's tokenizer)."""
+    phases = DEFAULT_PHASES[arch] if phases is None else phases
     torch.manual_seed(seed)
     fmt = ToolFormat(**D.TOOL_FORMAT)
     first = 0
@@ -308,7 +308,7 @@ def main() -> None:
         p.error("--split chooses the tokenizer of a chat model trained from scratch (not with --resume)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.which == "chat":
-        phases = CHAT_PHASES if args.arch == "nanochat" else GPT2_CHAT_PHASES
+        phases = DEFAULT_PHASES[args.arch]
         if args.steps:   # scale every phase to the given total
             total = sum(phase.steps for phase in phases)
             phases = [phase._replace(steps=max(1, phase.steps * args.steps // total)) for phase in phases]

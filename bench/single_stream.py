@@ -10,9 +10,12 @@ table measures it: each stream a 64-token prompt and 128 new tokens, greedy, `ig
 
 - `bf16`: the engine's default on a CPU with native bf16 (packed linear layers, the small-row kernel at one or
   two rows; core/chat/small_linear.py);
-- `bf16-before`: the same with `small_row_kernel` off (oneDNN's product at every row count);
 - `int8`: `weights: int8` (core/chat/quantized.py) on the bf16 model;
-- `fp32`: fp32 weights (the engine's default where the CPU has no native bf16).
+- `fp32`: fp32 weights (the engine's default where the CPU has no native bf16);
+- `int8-fp32`: int8 weights with fp32 activations (`weights: int8` where the CPU has no native bf16);
+- `*-before`: `small_row_kernel` off (oneDNN's and MKL's products at every row count, the blocks as modules);
+- `*-modules`: `fused_decode` off: the small-row kernel's products, the blocks run module by module instead of
+  core/chat/decode_stack.py's one call.
 
 TPOT is the mean time of the decode steps after the first token (each step makes one token a stream), best of
 `--rounds`; TTFT the prefill step's time. Thread counts run in turn, each in this process with torch's intra-op
@@ -44,6 +47,11 @@ VARIANTS = {
     "int8-fp32": (torch.float32, dict(weights="int8")),     # int8 weights, fp32 activations (chat_dtype auto on AVX2)
     "fp32": (torch.float32, dict()),
     "fp32-before": (torch.float32, dict(small_row_kernel=False)),
+    # the blocks as modules, one torch op at a time, instead of core/chat/decode_stack.py's one call
+    "bf16-modules": (torch.bfloat16, dict(fused_decode=False)),
+    "int8-modules": (torch.bfloat16, dict(weights="int8", fused_decode=False)),
+    "int8-fp32-modules": (torch.float32, dict(weights="int8", fused_decode=False)),
+    "fp32-modules": (torch.float32, dict(fused_decode=False)),
 }
 
 

@@ -2,9 +2,9 @@
 
     python -m bench.step_parts [--shape 12x768] [--variant int8-fp32] [--threads 1] [--rounds 3]
 
-bench.single_stream's engine (the random GPT-2, a 64-token prompt, 128 new tokens, greedy), with the small-row
-kernel's products and the cache attention timed in place (a wall clock around each call; torch's profiler does
-not see either, both being our extensions' functions). Per round: TPOT, the products' time a step and the rate
+bench.single_stream's engine (the random GPT-2, a 64-token prompt, 128 new tokens, greedy; the blocks as modules,
+`fused_decode` off), with the small-row kernel's products and the cache attention timed in place (a wall clock
+around each call; torch's profiler does not see either, both being our extensions' functions). Per round: TPOT, the products' time a step and the rate
 at which they read the weights, the attention's time a step, and the rest (torch's own ops, Python, the engine).
 Then the products of the round's last step again, back to back on the same weights in the same order with
 nothing between them: if they run faster so, the step's other work slows them (caches, prefetchers).
@@ -33,6 +33,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     layers, width = map(int, args.shape.lower().split("x"))
     engine = engine_for((layers, width), args.variant, 1)
+    engine.fused_decode = False      # the blocks as modules, whose products and attention are timed one by one
     products, attention = [], [0.0]
     real_linear, real_attention = quantized_module.small_linear, model_module.cache_attention
 

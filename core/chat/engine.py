@@ -30,13 +30,14 @@ import logging
 import msgspec
 import torch
 
+from . import decode_stack
 from .attention import path as attention_path
 from .constrained import TokenMasks
 from .cuda_graphs import DecodeGraphs, GraphCaptureError
 from .block_pool import chain
 from .kv_cache import CacheBatch, KVCache, LayerGroups
 from .logits import LogitProcessor, LogprobResult, logprobs
-from .model import ChatNetwork
+from .model import GPT2, ChatNetwork
 from .outputs import OutputProcessor
 from .packed import PackedLinear, pack_linears
 from .quantized import quantize_linears
@@ -92,6 +93,10 @@ class LLMEngine:
         # decode reads a prefix that sequences share once for them all (the CPU kernel's cascade)
         self.shared_prefixes = config.shared_prefix_attention and self.attention == "cpu-kernel"
         self.attention_threads = (config.attention_threads or 0) if self.device.type == "cpu" else 0
+        # decode steps of one or two rows run a GPT-2 model's blocks in one call (decode_stack.py; built now)
+        self.fused_decode = (config.fused_decode and config.small_row_kernel and self.device.type == "cpu"
+                             and isinstance(model, GPT2) and self.attention == "cpu-kernel"
+                             and decode_stack.kernel() is not None)
         dtype = next(model.parameters()).dtype
         self.dtype = str(dtype).removeprefix("torch.")
         n_blocks = cache_blocks(cfg, config, dtype, self.device)
@@ -323,7 +328,7 @@ class LLMEngine:
         if logits is None:
             ids = torch.tensor([[s.pending] for _, s in decoding], device=self.device)
             cb = CacheBatch.build(self.cache, tables, positions, 1, previous, self.shared_prefixes,
-                                  self.attention_threads)
+                                  self.attention_threads, fused=self.fused_decode)
             logits = self.model(ids, cb, last=torch.zeros(len(decoding), dtype=torch.long, device=self.device))
         bs, windowed = self.cache.block_size, self.scheduler.windowed
         for req, s in decoding:

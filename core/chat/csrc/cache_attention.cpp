@@ -305,7 +305,9 @@ void write_kv(torch::Tensor K, torch::Tensor V, torch::Tensor k, torch::Tensor v
     }
 }
 
+#ifndef STARTLUX_NO_MODULE     // decode_stack.cpp includes this file and makes a module of its own
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over KV-cache blocks in place");
   m.def("write_kv", &write_kv, "new keys and values into KV-cache blocks");
 }
+#endif

@@ -190,26 +190,12 @@ static void run(int64_t R, const float* xf, const w_t* w, int64_t K, int64_t n0,
 
 constexpr int64_t BLOCK = 64;   // output columns per task
 
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
-                           c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_linear: x (M, K), w (N, K)");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "small_linear: 1 to 8 rows");
-  TORCH_CHECK(w.is_contiguous(), "small_linear: a contiguous weight");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "small_linear: bf16 or fp32 x");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kChar || w.scalar_type() == at::kFloat,
-              "small_linear: bf16, fp32 or int8 weights");
-  TORCH_CHECK(w.scalar_type() != at::kChar || scale.has_value(), "small_linear: int8 weights need their scales");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto xf = x.to(at::kFloat).contiguous();
-  auto sf = scale.has_value() ? scale->to(at::kFloat).contiguous() : torch::Tensor();
-  auto bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
-  auto out = torch::empty({M, N}, x.options());
-  const bool to_bf16 = x.scalar_type() == at::kBFloat16;
-  const float* xp = xf.data_ptr<float>();
-  const float* sp = sf.defined() ? sf.data_ptr<float>() : nullptr;
-  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  at::BFloat16* ob = to_bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
-  float* of = to_bf16 ? nullptr : out.data_ptr<float>();
+// The product of M rows of fp32 x (M, K) by w (N, K; bf16, fp32 or int8) over the intra-op threads, split by
+// output columns: each output's sum [* sp[n]] [+ bp[n]] goes to store(r, n, value), once, from one thread.
+template <typename Store>
+static void product(const float* xp, int64_t M, int64_t K, const torch::Tensor& w, const float* sp, const float* bp,
+                    Store&& store) {
+  const int64_t N = w.size(0);
   at::parallel_for(0, (N + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
     const int64_t n0 = b0 * BLOCK, n1 = std::min(N, b1 * BLOCK), width = n1 - n0;
     std::vector<float> part(M * width);
@@ -224,13 +210,43 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
         float v = part[r * width + (n - n0)];
         if (sp) v *= sp[n];
         if (bp) v += bp[n];
-        if (ob) ob[r * N + n] = at::BFloat16(v);
-        else of[r * N + n] = v;
+        store(r, n, v);
       }
   });
+}
+
+static void check_weight(const torch::Tensor& w, const c10::optional<torch::Tensor>& scale, const char* who) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), who, ": a contiguous (N, K) weight");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kChar || w.scalar_type() == at::kFloat,
+              who, ": bf16, fp32 or int8 weights");
+  TORCH_CHECK(w.scalar_type() != at::kChar || scale.has_value(), who, ": int8 weights need their scales");
+}
+
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
+                           c10::optional<torch::Tensor> bias) {
+  check_weight(w, scale, "small_linear");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1), "small_linear: x (M, K), w (N, K)");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "small_linear: 1 to 8 rows");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "small_linear: bf16 or fp32 x");
+  const int64_t M = x.size(0), N = w.size(0);
+  auto xf = x.to(at::kFloat).contiguous();
+  auto sf = scale.has_value() ? scale->to(at::kFloat).contiguous() : torch::Tensor();
+  auto bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
+  auto out = torch::empty({M, N}, x.options());
+  const float* sp = sf.defined() ? sf.data_ptr<float>() : nullptr;
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kBFloat16) {
+    at::BFloat16* o = out.data_ptr<at::BFloat16>();
+    product(xf.data_ptr<float>(), M, x.size(1), w, sp, bp, [&](int64_t r, int64_t n, float v) { o[r * N + n] = v; });
+  } else {
+    float* o = out.data_ptr<float>();
+    product(xf.data_ptr<float>(), M, x.size(1), w, sp, bp, [&](int64_t r, int64_t n, float v) { o[r * N + n] = v; });
+  }
   return out;
 }
 
+#ifndef STARTLUX_NO_MODULE     // decode_stack.cpp includes this file and makes a module of its own
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "x . w^T at 1-8 rows, at the memory's rate (bf16, fp32 or int8 weights)");
 }
+#endif

@@ -1,0 +1,125 @@
+"""The GPT-2 decode stack (core/chat/decode_stack.py): a decode step's blocks in one C++ call, against the model's
+own modules on the same cache, and through the engine."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import tiny_model
+from core.chat import decode_stack
+from core.chat.engine import LLMEngine
+from core.chat.kv_cache import CacheBatch, KVCache
+from core.chat.model import GPT2Block
+from core.chat.protocol import SamplingParams
+from core.chat.quantized import quantize_linears
+
+pytestmark = pytest.mark.skipif(decode_stack.kernel() is None, reason="the decode stack cannot be built here")
+
+BS = 16
+
+
+def run(model, fused: bool, steps: int = 6, dtype=torch.float32, rows=(0, 1, 2)):
+    """Entries 0 and 1 share a 32-token prompt (entry 1's table begins with entry 0's blocks: the kernel's
+    shared-prefix attention), entry 2 has a 21-token prompt of its own; then `steps` decode passes of the entries
+    in `rows`, each fed its own greedy token -> the decode passes' logits (steps, len(rows), V)."""
+    cache = KVCache.for_model(model.config, 64, BS, dtype=dtype)
+    g = torch.Generator().manual_seed(4)
+    shared, own = torch.randint(3, 500, (32,), generator=g), torch.randint(3, 500, (21,), generator=g)
+    tables = [[[1, 2, 3, 4]], [[1, 2, 5, 6]], [[7, 8, 9, 10]]]
+    with torch.no_grad():
+        model(shared[None], CacheBatch.build(cache, [tables[0]], [0], 32))
+        model(own[None], CacheBatch.build(cache, [tables[2]], [0], 21))
+        pos = {0: 32, 1: 32, 2: 21}
+        token = {0: torch.tensor(7), 1: torch.tensor(9), 2: torch.tensor(11)}
+        out = []
+        for _ in range(steps):
+            ids = torch.stack([token[r] for r in rows])[:, None]
+            cb = CacheBatch.build(cache, [tables[r] for r in rows], [pos[r] for r in rows], 1,
+                                  shared_prefixes=True, fused=fused)
+            logits = model(ids, cb, last=torch.zeros(len(rows), dtype=torch.long))
+            out.append(logits)
+            for i, r in enumerate(rows):
+                token[r], pos[r] = logits[i].argmax(), pos[r] + 1
+    return torch.stack(out)
+
+
+def gpt2(tokenizer, dtype=torch.float32, weights="dtype", **kw):
+    model = tiny_model("gpt2", tokenizer, seed=5, std=0.3, **kw).to(dtype)
+    if weights == "int8":
+        quantize_linears(model)
+    return model
+
+
+@pytest.mark.parametrize("weights", ["dtype", "int8"])
+@pytest.mark.parametrize("gelu", ["none", "tanh"])
+def test_the_stack_computes_what_the_modules_do_in_fp32(tokenizer, weights, gelu):
+    """fp32 (weights as they are or int8): two entries (one and two rows at once; a shared prefix among them) decode
+    six steps through the stack and through the modules, each on a cache of its own that its own passes wrote:
+    the same logits within 1e-5 of their spread."""
+    model = gpt2(tokenizer, weights=weights, gelu_approximate=gelu)
+    for rows in [(0, 1), (2,)]:
+        want, got = run(model, False, rows=rows), run(model, True, rows=rows)
+        spread = (want.amax(-1) - want.amin(-1)).max()
+        assert (got - want).abs().max() <= 1e-5 * spread
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("weights", ["dtype", "int8"])
+def test_the_stack_rounds_as_the_modules_do_in_bf16(tokenizer, weights):
+    """bf16: the stack rounds each value where torch's ops round it, so its logits stay near the modules' (their
+    products' sums run in other orders: on the AMD EPYC with AVX2 the two were identical), and the greedy tokens
+    agree. Kept in fp32 instead of rounded, the same stack was 0.8-0.9% of the spread away (2026-12-07)."""
+    model = gpt2(tokenizer, torch.bfloat16, weights)
+    want, got = run(model, False, dtype=torch.bfloat16, rows=(0, 1)), run(model, True, dtype=torch.bfloat16, rows=(0, 1))
+    spread = (want.amax(-1) - want.amin(-1)).max()
+    assert (got - want).abs().max() <= 0.005 * spread
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_computes_the_same_bits_alone_as_in_a_batch(tokenizer, dtype):
+    """The stack's output (after the final LayerNorm: the tiny head here is MKL's product, which is not) for a row
+    alone and beside another, bit for bit."""
+    model = gpt2(tokenizer, dtype)
+    model.logits = lambda x: x.float()
+    together = run(model, True, dtype=dtype, rows=(1, 2))
+    assert torch.equal(together[:, 0], run(model, True, dtype=dtype, rows=(1,))[:, 0])
+    assert torch.equal(together[:, 1], run(model, True, dtype=dtype, rows=(2,))[:, 0])
+
+
+def test_the_stack_replaces_the_blocks_and_the_modules_run_otherwise(tokenizer, monkeypatch):
+    """A fused decode pass of one or two rows calls no block module; three rows, a prefill, a pass not marked fused
+    and a model whose layer the stack cannot read run the modules."""
+    model = gpt2(tokenizer)
+    calls = []
+    forward = GPT2Block.forward
+    monkeypatch.setattr(GPT2Block, "forward", lambda self, *a: calls.append(1) or forward(self, *a))
+    run(model, True, steps=2, rows=(0, 1))
+    assert calls == [1] * 2 * 2                    # the two prefills only (two blocks each)
+    calls.clear()
+    run(model, True, steps=2, rows=(0, 1, 2))
+    assert len(calls) == 2 * 2 + 2 * 2             # prefills, then three rows: the modules
+    calls.clear()
+    run(model, False, steps=2, rows=(0,))
+    assert len(calls) == 2 * 2 + 2 * 2
+    calls.clear()
+    model.transformer.h[1].mlp["c_fc"] = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(64, 256))
+    run(model, True, steps=1, rows=(0,))
+    assert len(calls) == 2 * 2 + 2                 # a weight the stack does not read: the modules, no error
+
+
+def test_the_engine_decodes_through_the_stack_with_the_same_tokens(tokenizer):
+    """The engine takes the stack for a GPT-2 model on the CPU (EngineConfig.fused_decode), not for nanochat's or
+    when it is switched off, and one or two streams generate the same greedy tokens either way."""
+    from tests.test_chat_engine import collect, prompts
+
+    assert not LLMEngine(tiny_model("nanochat", tokenizer), tokenizer).fused_decode
+    outs = []
+    for fused in (True, False):
+        engine = LLMEngine(gpt2(tokenizer), tokenizer, max_rows=4, fused_decode=fused)
+        assert engine.fused_decode is fused
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts(2, seed=3)):
+            engine.add_request(p, params, f"r{i}")
+        outs.append({rid: out[0] for rid, out in collect(engine).items()})
+    assert outs[0] == outs[1]

@@ -23,6 +23,8 @@ def run(model, fused: bool, steps: int = 6, dtype=torch.float32, rows=(0, 1, 2))
     shared-prefix attention), entry 2 has a 21-token prompt of its own; then `steps` decode passes of the entries
     in `rows`, each fed its own greedy token -> the decode passes' logits (steps, len(rows), V)."""
     cache = KVCache.for_model(model.config, 64, BS, dtype=dtype)
+    stack = decode_stack.prepare(model, cache) if fused else None
+    assert (stack is not None) == fused
     g = torch.Generator().manual_seed(4)
     shared, own = torch.randint(3, 500, (32,), generator=g), torch.randint(3, 500, (21,), generator=g)
     tables = [[[1, 2, 3, 4]], [[1, 2, 5, 6]], [[7, 8, 9, 10]]]
@@ -35,7 +37,7 @@ def run(model, fused: bool, steps: int = 6, dtype=torch.float32, rows=(0, 1, 2))
         for _ in range(steps):
             ids = torch.stack([token[r] for r in rows])[:, None]
             cb = CacheBatch.build(cache, [tables[r] for r in rows], [pos[r] for r in rows], 1,
-                                  shared_prefixes=True, fused=fused)
+                                  shared_prefixes=True, fused=stack)
             logits = model(ids, cb, last=torch.zeros(len(rows), dtype=torch.long))
             out.append(logits)
             for i, r in enumerate(rows):
@@ -53,11 +55,11 @@ def gpt2(tokenizer, dtype=torch.float32, weights="dtype", **kw):
 @pytest.mark.parametrize("weights", ["dtype", "int8"])
 @pytest.mark.parametrize("gelu", ["none", "tanh"])
 def test_the_stack_computes_what_the_modules_do_in_fp32(tokenizer, weights, gelu):
-    """fp32 (weights as they are or int8): two entries (one and two rows at once; a shared prefix among them) decode
-    six steps through the stack and through the modules, each on a cache of its own that its own passes wrote:
-    the same logits within 1e-5 of their spread."""
+    """fp32 (weights as they are or int8): one, two and three entries at once (two of them with a shared prefix)
+    decode six steps through the stack and through the modules, each on a cache of its own that its own passes
+    wrote: the same logits within 1e-5 of their spread."""
     model = gpt2(tokenizer, weights=weights, gelu_approximate=gelu)
-    for rows in [(0, 1), (2,)]:
+    for rows in [(0, 1, 2), (0, 1), (2,)]:
         want, got = run(model, False, rows=rows), run(model, True, rows=rows)
         spread = (want.amax(-1) - want.amin(-1)).max()
         assert (got - want).abs().max() <= 1e-5 * spread
@@ -82,44 +84,46 @@ def test_a_row_computes_the_same_bits_alone_as_in_a_batch(tokenizer, dtype):
     alone and beside another, bit for bit."""
     model = gpt2(tokenizer, dtype)
     model.logits = lambda x: x.float()
-    together = run(model, True, dtype=dtype, rows=(1, 2))
-    assert torch.equal(together[:, 0], run(model, True, dtype=dtype, rows=(1,))[:, 0])
-    assert torch.equal(together[:, 1], run(model, True, dtype=dtype, rows=(2,))[:, 0])
+    rows = (0, 1, 2) if decode_stack.ROWS[dtype] >= 3 else (1, 2)
+    together = run(model, True, dtype=dtype, rows=rows)
+    for i, r in enumerate(rows):
+        assert torch.equal(together[:, i], run(model, True, dtype=dtype, rows=(r,))[:, 0])
 
 
 def test_the_stack_replaces_the_blocks_and_the_modules_run_otherwise(tokenizer, monkeypatch):
-    """A fused decode pass of one or two rows calls no block module; three rows, a prefill, a pass not marked fused
-    and a model whose layer the stack cannot read run the modules."""
-    model = gpt2(tokenizer)
+    """A decode pass of up to the stack's rows (fp32: 8, bf16: 2) given the stack calls no block module; more rows,
+    a prefill and a pass without it run the modules; a model with a layer the stack cannot read, or a cache of
+    another dtype, gets none."""
     calls = []
     forward = GPT2Block.forward
     monkeypatch.setattr(GPT2Block, "forward", lambda self, *a: calls.append(1) or forward(self, *a))
-    run(model, True, steps=2, rows=(0, 1))
+    model = gpt2(tokenizer)
+    run(model, True, steps=2, rows=(0, 1, 2))
     assert calls == [1] * 2 * 2                    # the two prefills only (two blocks each)
     calls.clear()
-    run(model, True, steps=2, rows=(0, 1, 2))
-    assert len(calls) == 2 * 2 + 2 * 2             # prefills, then three rows: the modules
-    calls.clear()
     run(model, False, steps=2, rows=(0,))
-    assert len(calls) == 2 * 2 + 2 * 2
+    assert len(calls) == 2 * 2 + 2 * 2             # prefills, then the decode passes: the modules
     calls.clear()
+    run(gpt2(tokenizer, torch.bfloat16), True, steps=2, rows=(0, 1, 2), dtype=torch.bfloat16)
+    assert len(calls) == 2 * 2 + 2 * 2             # bf16 at three rows: the modules
     model.transformer.h[1].mlp["c_fc"] = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(64, 256))
-    run(model, True, steps=1, rows=(0,))
-    assert len(calls) == 2 * 2 + 2                 # a weight the stack does not read: the modules, no error
+    assert decode_stack.prepare(model, KVCache.for_model(model.config, 8, BS)) is None   # a weight it cannot read
+    assert decode_stack.prepare(model.to(torch.bfloat16), KVCache.for_model(model.config, 8, BS)) is None  # dtypes
 
 
-def test_the_engine_decodes_through_the_stack_with_the_same_tokens(tokenizer):
+@pytest.mark.parametrize("streams", [2, 5])
+def test_the_engine_decodes_through_the_stack_with_the_same_tokens(tokenizer, streams):
     """The engine takes the stack for a GPT-2 model on the CPU (EngineConfig.fused_decode), not for nanochat's or
-    when it is switched off, and one or two streams generate the same greedy tokens either way."""
+    when it is switched off, and a few streams generate the same greedy tokens either way."""
     from tests.test_chat_engine import collect, prompts
 
     assert not LLMEngine(tiny_model("nanochat", tokenizer), tokenizer).fused_decode
     outs = []
     for fused in (True, False):
-        engine = LLMEngine(gpt2(tokenizer), tokenizer, max_rows=4, fused_decode=fused)
+        engine = LLMEngine(gpt2(tokenizer), tokenizer, max_rows=8, fused_decode=fused)
         assert engine.fused_decode is fused
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-        for i, p in enumerate(prompts(2, seed=3)):
+        for i, p in enumerate(prompts(streams, seed=3)):
             engine.add_request(p, params, f"r{i}")
         outs.append({rid: out[0] for rid, out in collect(engine).items()})
     assert outs[0] == outs[1]

@@ -1,4 +1,4 @@
-"""A GPT-2 model's blocks at a decode step of one or two rows in one C++ call (csrc/decode_stack.cpp).
+"""A GPT-2 model's blocks at a decode step of a few rows in one C++ call (csrc/decode_stack.cpp).
 
 A one-stream decode step reads every weight once; what it spends besides is torch's small ops (two LayerNorms,
 GELU, two adds, the split into heads, the cache's write a block) and the Python of the modules around them: a
@@ -8,9 +8,10 @@ decode attention (cache_attention.cpp), LayerNorm, GELU and the residual adds as
 the model's dtype where torch's ops round it. The embeddings before and the final LayerNorm and head after stay in
 the model.
 
-`GPT2.hidden` takes this path for a decode pass of at most ROWS rows whose CacheBatch says so (`fused`: the
-engine's EngineConfig.fused_decode, on the CPU, with the kernels built) when every linear layer of the blocks is
-one it can read (`blocks`); otherwise, and for prefill, the modules run as they are.
+The engine prepares the stack once (`prepare`: the model's parameters as the kernel reads them, the cache's layers)
+where EngineConfig.fused_decode allows and the kernel can read every layer, and hands it to each decode pass in its
+CacheBatch (`fused`); `GPT2.hidden` calls it for a pass of at most its `rows` (ROWS: 2 in bf16, 8 in fp32).
+Otherwise, and for prefill, the modules run as they are.
 """
 from __future__ import annotations
 
@@ -21,13 +22,18 @@ from .extensions import extension
 from .packed import PackedLinear
 from .quantized import Int8Linear
 
-ROWS = 2        # the rows at which the products go to the small-row kernel (packed.SMALL_ROWS) anyway
+# The most rows a pass runs through the stack, by the model's dtype. bf16: where its products go to the small-row
+# kernel anyway (packed.SMALL_ROWS; from three rows oneDNN's bf16 product is faster on the CPUs with native bf16).
+# fp32 (fp32 or int8 weights): the kernel's most, where the stack was measured faster than the modules at 4 and 8
+# streams on the AVX2 EPYC (bench/README.md, "The blocks in one call"; int8's modules multiply a dequantized fp32
+# copy from three rows on).
+ROWS = {torch.float32: 8, torch.bfloat16: 2}
 
 
 def kernel():
     """The compiled stack, or None where it cannot be built (then one warning says why)."""
     return extension("startlux_decode_stack", "decode_stack.cpp",
-                     "decode steps of one or two rows run the model's modules one by one")
+                     "decode steps of a few rows run the model's modules one by one")
 
 
 def _linear(lin: nn.Module, dtype: torch.dtype) -> list[torch.Tensor] | None:
@@ -48,51 +54,48 @@ def _norm(ln: nn.LayerNorm) -> list[torch.Tensor] | None:
     return [ln.weight.detach().float().contiguous(), ln.bias.detach().float().contiguous()]
 
 
-class Blocks:
-    """A GPT-2 model's blocks as the kernel takes them, for one dtype; rebuilt when a module of theirs is replaced
-    (int8 quantization, packing) or the dtype changes."""
+class GPT2Stack:
+    """A GPT-2 model's blocks prepared once for the kernel over one KV cache (`prepare`): called as
+    `stack(x, cache_batch)` with x (B, 1, C) after the embeddings, B at most `rows` -> x after the last block."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype):
-        self.dtype, self.modules = dtype, self.parts(model)
-        self.params: list[torch.Tensor] | None = []
-        for block in model.transformer.h:
-            per = [_norm(block.ln_1), _linear(block.attn.c_attn, dtype), _linear(block.attn.c_proj, dtype),
-                   _norm(block.ln_2), _linear(block.mlp["c_fc"], dtype), _linear(block.mlp["c_proj"], dtype)]
-            if any(p is None for p in per):
-                self.params = None
-                return
-            self.params.extend(t for p in per for t in p)
+    def __init__(self, mod, model: nn.Module, params: list[torch.Tensor], keys: list[torch.Tensor],
+                 values: list[torch.Tensor], rows: int):
+        cfg = model.config
+        self.mod, self.params, self.keys, self.values, self.rows = mod, params, keys, values, rows
+        self.n_head, self.eps, self.tanh = cfg.n_head, cfg.layer_norm_eps, cfg.gelu_approximate == "tanh"
 
-    @staticmethod
-    def parts(model: nn.Module) -> tuple:
-        return tuple(m for b in model.transformer.h
-                     for m in (b.ln_1, b.attn.c_attn, b.attn.c_proj, b.ln_2, b.mlp["c_fc"], b.mlp["c_proj"]))
-
-    def current(self, model: nn.Module, dtype: torch.dtype) -> bool:
-        return dtype == self.dtype and all(a is b for a, b in zip(self.parts(model), self.modules))
+    def __call__(self, x: torch.Tensor, cache) -> torch.Tensor:
+        shared = cache.shared[0] if cache.shared is not None else None
+        leaders, lengths = shared if shared is not None else (_NONE, _NONE)
+        B, _, C = x.shape
+        out = self.mod.gpt2_blocks(x.view(B, C), self.params, self.keys, self.values, cache.slots[0],
+                                   cache.tables[0], cache.positions[:, 0], leaders, lengths, self.n_head, self.eps,
+                                   self.tanh, cache.threads)
+        return out.view(B, 1, C)
 
 
-def gpt2_blocks(model: nn.Module, x: torch.Tensor, cache) -> torch.Tensor | None:
-    """x (B, 1, C) after the embeddings -> after the last block, through the kernel; None where it does not apply
-    (the caller runs the modules)."""
+def prepare(model: nn.Module, cache) -> GPT2Stack | None:
+    """The stack for a GPT-2 `model` (its modules as they are now: quantize or pack them first) decoding through
+    `cache` (a KVCache in the model's dtype, one layer group); None where the kernel does not build, the model is
+    another architecture, or a layer is one the kernel cannot read (the caller runs the modules)."""
+    from .model import GPT2
+
     mod = kernel()
-    if mod is None:
+    if mod is None or not isinstance(model, GPT2):
         return None
-    stack = model.__dict__.get("_decode_blocks")
-    if stack is None or not stack.current(model, x.dtype):
-        stack = model.__dict__["_decode_blocks"] = Blocks(model, x.dtype)
-    if stack.params is None:
+    dtype = model.transformer.wte.weight.dtype
+    layers = [cache.layer(i) for i in range(len(model.transformer.h))]
+    if (cache.device.type != "cpu" or dtype not in ROWS or cache.dtype != dtype
+            or any(g != 0 for g, _, _ in layers)):
         return None
-    layers = [cache.cache.layer(i) for i in range(len(model.transformer.h))]
-    if layers[0][1].dtype != x.dtype or any(g != 0 for g, _, _ in layers):
-        return None
-    leaders, shared = cache.shared[0] if cache.shared is not None and cache.shared[0] is not None else (_NONE, _NONE)
-    B, _, C = x.shape
-    out = mod.gpt2_blocks(x.view(B, C), stack.params, [k for _, k, _ in layers], [v for _, _, v in layers],
-                          cache.slots[0], cache.tables[0], cache.positions[:, 0], leaders, shared,
-                          model.config.n_head, model.config.layer_norm_eps, model.config.gelu_approximate == "tanh",
-                          cache.threads)
-    return out.view(B, 1, C)
+    params: list[torch.Tensor] = []
+    for block in model.transformer.h:
+        per = [_norm(block.ln_1), _linear(block.attn.c_attn, dtype), _linear(block.attn.c_proj, dtype),
+               _norm(block.ln_2), _linear(block.mlp["c_fc"], dtype), _linear(block.mlp["c_proj"], dtype)]
+        if any(p is None for p in per):
+            return None
+        params.extend(t for p in per for t in p)
+    return GPT2Stack(mod, model, params, [k for _, k, _ in layers], [v for _, _, v in layers], ROWS[dtype])
 
 
 _NONE = torch.empty(0, dtype=torch.long)

@@ -93,15 +93,17 @@ class LLMEngine:
         # decode reads a prefix that sequences share once for them all (the CPU kernel's cascade)
         self.shared_prefixes = config.shared_prefix_attention and self.attention == "cpu-kernel"
         self.attention_threads = (config.attention_threads or 0) if self.device.type == "cpu" else 0
-        # decode steps of one or two rows run a GPT-2 model's blocks in one call (decode_stack.py; built now)
-        self.fused_decode = (config.fused_decode and config.small_row_kernel and self.device.type == "cpu"
-                             and isinstance(model, GPT2) and self.attention == "cpu-kernel"
-                             and decode_stack.kernel() is not None)
         dtype = next(model.parameters()).dtype
         self.dtype = str(dtype).removeprefix("torch.")
         n_blocks = cache_blocks(cfg, config, dtype, self.device)
         self.cache = KVCache.for_model(cfg, n_blocks, config.block_size, dtype=dtype, device=self.device)
         self.scheduler = Scheduler(config, n_blocks, config.block_size, self.cache.groups.windows)
+        # decode steps of a few rows run a GPT-2 model's blocks in one call (decode_stack.py; built now)
+        self.decode_stack = None
+        if (config.fused_decode and config.small_row_kernel and self.device.type == "cpu"
+                and isinstance(model, GPT2) and self.attention == "cpu-kernel"):
+            self.decode_stack = decode_stack.prepare(model, self.cache)
+        self.fused_decode = self.decode_stack is not None      # (benchmarks switch it off to compare)
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.cache, max_batch=config.max_rows)
@@ -328,7 +330,7 @@ class LLMEngine:
         if logits is None:
             ids = torch.tensor([[s.pending] for _, s in decoding], device=self.device)
             cb = CacheBatch.build(self.cache, tables, positions, 1, previous, self.shared_prefixes,
-                                  self.attention_threads, fused=self.fused_decode)
+                                  self.attention_threads, fused=self.decode_stack if self.fused_decode else None)
             logits = self.model(ids, cb, last=torch.zeros(len(decoding), dtype=torch.long, device=self.device))
         bs, windowed = self.cache.block_size, self.scheduler.windowed
         for req, s in decoding:

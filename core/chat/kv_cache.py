@@ -191,14 +191,15 @@ class CacheBatch:
     # pass does not read them so (find_shared_prefixes)
     shared: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
     threads: int = 0                      # torch threads for the pass's attention on a CPU (0: as they are)
-    # a decode pass of few rows may run the model's blocks in one call (decode_stack.py; EngineConfig.fused_decode)
-    fused: bool = False
+    # decode: the model's blocks prepared for one call (decode_stack.GPT2Stack; EngineConfig.fused_decode), which
+    # a pass of at most its `rows` rows runs instead of the modules; None: the modules
+    fused: object | None = None
     _windowed: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, cache: KVCache, tables: list[list[list[int]]], start: list[int], T: int,
               previous: list[int] | None = None, shared_prefixes: bool = False, threads: int = 0,
-              lengths: list[int] | None = None, fused: bool = False) -> "CacheBatch":
+              lengths: list[int] | None = None, fused: object | None = None) -> "CacheBatch":
         """tables: each entry's block tables, one per layer group, covering its positions start .. start + its
         length - 1 (a sliding-window group's may hold the scratch block where its window has passed). previous:
         the token before each entry's `start` (-1 where start is 0); needed when an entry starts later and the
@@ -232,7 +233,7 @@ class CacheBatch:
                 found = find_shared_prefixes(group, start, bs) if cache.groups.windows[g] is None else None
                 shared.append(None if found is None else (torch.tensor(found[0]), torch.tensor(found[1])))
         return cls(cache, padded, slots, positions, None, end, prev, list(start), lengths, per_group, shared,
-                   threads, fused=fused and T == 1)
+                   threads, fused=fused if T == 1 else None)
 
     @property
     def starts_at_zero(self) -> bool:

@@ -19,7 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import decode_stack
 from .attention import cache_attention
 from .config import ChatModelConfig
 from .kv_cache import CacheBatch
@@ -266,11 +265,9 @@ class GPT2(ChatNetwork):
 
     def hidden(self, ids, cache=None):
         x = self.transformer.wte(ids) + self.transformer.wpe(self.positions(ids, cache))
-        fused = None
-        if cache is not None and cache.fused and x.size(0) <= decode_stack.ROWS and x.device.type == "cpu":
-            fused = decode_stack.gpt2_blocks(self, x, cache)     # None where the kernel cannot take this model
-        if fused is not None:
-            x = fused
+        stack = cache.fused if cache is not None else None
+        if stack is not None and x.size(0) <= stack.rows:      # decode_stack.py: the blocks in one call
+            x = stack(x, cache)
         else:
             for block in self.transformer.h:
                 x = block(x, cache)

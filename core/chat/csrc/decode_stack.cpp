@@ -1,10 +1,10 @@
 // A GPT-2 model's blocks at a decode step of a few rows, in one call (core/chat/decode_stack.py loads this file).
 //
-// At one or two rows a decode step is the time to read the weights, plus everything between the reads: per block
+// At a few rows a decode step is the time to read the weights, plus everything between the reads: per block
 // two LayerNorms, a split into heads, two residual adds, GELU, the cache's write and its attention, each a torch
 // op with its dispatch and allocation, and the Python of the modules around them. Here a block is the same
 // arithmetic on buffers this call owns: LayerNorm, GELU and the adds are loops over the rows, the products are
-// small_linear.cpp's (the bias, the residual add or GELU applied as each output is stored), the keys and values
+// small_linear.cpp's (the bias and the residual add applied as each output is stored), the keys and values
 // go into the cache and attention reads it as cache_attention.cpp does. Each value is rounded to the model's dtype
 // where torch's ops round it (after each op), so a bf16 model computes what its modules do up to the order of a
 // sum; a row computes the same bits alone as in a batch.

@@ -1,4 +1,4 @@
-"""The GPT-2 decode stack (core/chat/decode_stack.py): a decode step's blocks in one C++ call, against the model's
+"""The decode stack (core/chat/decode_stack.py): a decode step's blocks in one C++ call, against the model's
 own modules on the same cache, and through the engine."""
 from __future__ import annotations
 
@@ -19,46 +19,63 @@ BS = 16
 
 
 def run(model, fused: bool, steps: int = 6, dtype=torch.float32, rows=(0, 1, 2)):
-    """Entries 0 and 1 share a 32-token prompt (entry 1's table begins with entry 0's blocks: the kernel's
-    shared-prefix attention), entry 2 has a 21-token prompt of its own; then `steps` decode passes of the entries
-    in `rows`, each fed its own greedy token -> the decode passes' logits (steps, len(rows), V)."""
+    """Entries 0 and 1 share a 32-token prompt (in every layer group entry 1's table begins with entry 0's blocks:
+    the kernel's shared-prefix attention), entry 2 has a 21-token prompt of its own; then `steps` decode passes of
+    the entries in `rows`, each fed its own greedy token -> the decode passes' logits (steps, len(rows), V)."""
     cache = KVCache.for_model(model.config, 64, BS, dtype=dtype)
     stack = decode_stack.prepare(model, cache) if fused else None
     assert (stack is not None) == fused
     g = torch.Generator().manual_seed(4)
     shared, own = torch.randint(3, 500, (32,), generator=g), torch.randint(3, 500, (21,), generator=g)
-    tables = [[[1, 2, 3, 4]], [[1, 2, 5, 6]], [[7, 8, 9, 10]]]
+    free = iter(range(1, 64))
+    tables = {0: [], 1: [], 2: []}
+    for _ in range(len(cache.groups)):
+        a, b = next(free), next(free)
+        tables[0].append([a, b, next(free), next(free)])
+        tables[1].append([a, b, next(free), next(free)])
+        tables[2].append([next(free) for _ in range(4)])
     with torch.no_grad():
         model(shared[None], CacheBatch.build(cache, [tables[0]], [0], 32))
         model(own[None], CacheBatch.build(cache, [tables[2]], [0], 21))
         pos = {0: 32, 1: 32, 2: 21}
         token = {0: torch.tensor(7), 1: torch.tensor(9), 2: torch.tensor(11)}
+        before = {0: int(shared[-1]), 1: int(shared[-1]), 2: int(own[-1])}
         out = []
         for _ in range(steps):
             ids = torch.stack([token[r] for r in rows])[:, None]
-            cb = CacheBatch.build(cache, [tables[r] for r in rows], [pos[r] for r in rows], 1,
+            previous = [before[r] for r in rows] if model.needs_previous else None
+            cb = CacheBatch.build(cache, [tables[r] for r in rows], [pos[r] for r in rows], 1, previous,
                                   shared_prefixes=True, fused=stack)
             logits = model(ids, cb, last=torch.zeros(len(rows), dtype=torch.long))
             out.append(logits)
             for i, r in enumerate(rows):
-                token[r], pos[r] = logits[i].argmax(), pos[r] + 1
+                before[r], token[r], pos[r] = int(token[r]), logits[i].argmax(), pos[r] + 1
     return torch.stack(out)
 
 
-def gpt2(tokenizer, dtype=torch.float32, weights="dtype", **kw):
-    model = tiny_model("gpt2", tokenizer, seed=5, std=0.3, **kw).to(dtype)
+def build(arch, tokenizer, dtype=torch.float32, weights="dtype", **kw):
+    model = tiny_model(arch, tokenizer, seed=5, std=0.3, **kw).to(dtype)
     if weights == "int8":
         quantize_linears(model)
     return model
 
 
+def gpt2(tokenizer, dtype=torch.float32, weights="dtype", **kw):
+    return build("gpt2", tokenizer, dtype, weights, **kw)
+
+
+ARCHS = [("gpt2", {}), ("gpt2", {"gelu_approximate": "tanh"}), ("nanochat", {}), ("modern", {})]
+ARCH_IDS = ["gpt2", "gpt2-tanh", "nanochat-release", "nanochat-current"]
+
+
 @pytest.mark.parametrize("weights", ["dtype", "int8"])
-@pytest.mark.parametrize("gelu", ["none", "tanh"])
-def test_the_stack_computes_what_the_modules_do_in_fp32(tokenizer, weights, gelu):
+@pytest.mark.parametrize("arch,kw", ARCHS, ids=ARCH_IDS)
+def test_the_stack_computes_what_the_modules_do_in_fp32(tokenizer, arch, kw, weights):
     """fp32 (weights as they are or int8): one, two and three entries at once (two of them with a shared prefix)
     decode six steps through the stack and through the modules, each on a cache of its own that its own passes
-    wrote: the same logits within 1e-5 of their spread."""
-    model = gpt2(tokenizer, weights=weights, gelu_approximate=gelu)
+    wrote: the same logits within 1e-5 of their spread. nanochat's current architecture brings sliding windows
+    (several layer groups), value embeddings, the residual scalars, smear and backout; both nanochat's GQA."""
+    model = build(arch, tokenizer, weights=weights, **kw)
     for rows in [(0, 1, 2), (0, 1), (2,)]:
         want, got = run(model, False, rows=rows), run(model, True, rows=rows)
         spread = (want.amax(-1) - want.amin(-1)).max()
@@ -67,11 +84,13 @@ def test_the_stack_computes_what_the_modules_do_in_fp32(tokenizer, weights, gelu
 
 
 @pytest.mark.parametrize("weights", ["dtype", "int8"])
-def test_the_stack_rounds_as_the_modules_do_in_bf16(tokenizer, weights):
+@pytest.mark.parametrize("arch", ["gpt2", "nanochat", "modern"])
+def test_the_stack_rounds_as_the_modules_do_in_bf16(tokenizer, arch, weights):
     """bf16: the stack rounds each value where torch's ops round it, so its logits stay near the modules' (their
-    products' sums run in other orders: on the AMD EPYC with AVX2 the two were identical), and the greedy tokens
-    agree. Kept in fp32 instead of rounded, the same stack was 0.8-0.9% of the spread away (2026-12-07)."""
-    model = gpt2(tokenizer, torch.bfloat16, weights)
+    products' sums may run in other orders; on the AMD EPYC with AVX2 the two were identical for all three
+    architectures), and the greedy tokens agree. Kept in fp32 instead of rounded, the GPT-2 stack was 0.8-0.9% of
+    the spread away (2026-12-07)."""
+    model = build(arch, tokenizer, torch.bfloat16, weights)
     want, got = run(model, False, dtype=torch.bfloat16, rows=(0, 1)), run(model, True, dtype=torch.bfloat16, rows=(0, 1))
     spread = (want.amax(-1) - want.amin(-1)).max()
     assert (got - want).abs().max() <= 0.005 * spread
@@ -79,10 +98,11 @@ def test_the_stack_rounds_as_the_modules_do_in_bf16(tokenizer, weights):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_computes_the_same_bits_alone_as_in_a_batch(tokenizer, dtype):
-    """The stack's output (after the final LayerNorm: the tiny head here is MKL's product, which is not) for a row
-    alone and beside another, bit for bit."""
-    model = gpt2(tokenizer, dtype)
+@pytest.mark.parametrize("arch", ["gpt2", "modern"])
+def test_a_row_computes_the_same_bits_alone_as_in_a_batch(tokenizer, arch, dtype):
+    """The stack's output (after the final norm: the tiny head here is MKL's product, which is not) for a row
+    alone and beside others, bit for bit."""
+    model = build(arch, tokenizer, dtype)
     model.logits = lambda x: x.float()
     rows = (0, 1, 2) if decode_stack.ROWS[dtype] >= 3 else (1, 2)
     together = run(model, True, dtype=dtype, rows=rows)
@@ -112,15 +132,15 @@ def test_the_stack_replaces_the_blocks_and_the_modules_run_otherwise(tokenizer, 
 
 
 @pytest.mark.parametrize("streams", [2, 5])
-def test_the_engine_decodes_through_the_stack_with_the_same_tokens(tokenizer, streams):
-    """The engine takes the stack for a GPT-2 model on the CPU (EngineConfig.fused_decode), not for nanochat's or
-    when it is switched off, and a few streams generate the same greedy tokens either way."""
+@pytest.mark.parametrize("arch", ["gpt2", "modern"])
+def test_the_engine_decodes_through_the_stack_with_the_same_tokens(tokenizer, arch, streams):
+    """The engine takes the stack on the CPU (EngineConfig.fused_decode) unless it is switched off, and a few
+    streams generate the same greedy tokens either way."""
     from tests.test_chat_engine import collect, prompts
 
-    assert not LLMEngine(tiny_model("nanochat", tokenizer), tokenizer).fused_decode
     outs = []
     for fused in (True, False):
-        engine = LLMEngine(gpt2(tokenizer), tokenizer, max_rows=8, fused_decode=fused)
+        engine = LLMEngine(build(arch, tokenizer), tokenizer, max_rows=8, fused_decode=fused)
         assert engine.fused_decode is fused
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         for i, p in enumerate(prompts(streams, seed=3)):

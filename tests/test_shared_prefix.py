@@ -187,7 +187,8 @@ def test_a_burst_with_one_system_prompt_computes_it_once(tokenizer, nanochat_mod
 
 def test_attention_on_more_threads_than_the_model_changes_nothing(tokenizer, modern_model):
     """attention_threads: the decode kernel and prefill's SDPA run on that many torch threads (the rest of the
-    model on its own count), with the same tokens as on one."""
+    model on its own count), with the same tokens as on one, the blocks run as modules (where the kernel's calls
+    are seen here) or as decode_stack.py's one call (which sets the threads in C++)."""
     from core.chat.protocol import EngineConfig
 
     with pytest.raises(ValueError, match="attention_threads"):
@@ -197,15 +198,17 @@ def test_attention_on_more_threads_than_the_model_changes_nothing(tokenizer, mod
     torch.set_num_threads(1)
     results = []
     try:
-        for n in (None, 2):
-            engine = LLMEngine(modern_model, tokenizer, max_rows=6, prefill_chunk=48, attention_threads=n)
+        for n, fused in ((None, False), (2, False), (2, True)):
+            engine = LLMEngine(modern_model, tokenizer, max_rows=6, prefill_chunk=48, attention_threads=n,
+                               fused_decode=fused)
+            assert engine.fused_decode is fused
             seen.clear()
             with kernel_calls(lambda args: seen.append(torch.get_num_threads())):
                 for wave in shared_prefix_requests(seed=7):
                     for rid, prompt, params in wave[:5]:
                         engine.add_request(prompt, params, rid)
                 results.append(collect(engine))
-            assert set(seen) == {n or 1} and torch.get_num_threads() == 1
+            assert set(seen) == (set() if fused else {n or 1}) and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]

@@ -38,13 +38,12 @@ def kernel():
 
 def _linear(lin: nn.Module, dtype: torch.dtype) -> list[torch.Tensor] | None:
     """(weight, scale, bias) of a linear layer as the kernel reads them; None for a layer it cannot read."""
-    empty = torch.empty(0)
-    bias = empty if lin.bias is None else lin.bias.detach().float().contiguous()
+    bias = _EMPTY if lin.bias is None else lin.bias.detach().float().contiguous()
     if isinstance(lin, Int8Linear):
         return [lin.qweight, lin.scale, bias]
     # (a subclass of nn.Linear, such as a parametrized one, may compute its weight: only these two are read as stored)
     if type(lin) in (nn.Linear, PackedLinear) and lin.weight.dtype == dtype and lin.weight.is_contiguous():
-        return [lin.weight.detach(), empty, bias]
+        return [lin.weight.detach(), _EMPTY, bias]
     return None
 
 
@@ -56,7 +55,8 @@ def _norm(ln: nn.LayerNorm) -> list[torch.Tensor] | None:
 
 class GPT2Stack:
     """A GPT-2 model's blocks prepared once for the kernel over one KV cache (`prepare`): called as
-    `stack(x, cache_batch)` with x (B, 1, C) after the embeddings, B at most `rows` -> x after the last block."""
+    `stack(x, ids, cache_batch)` with x (B, 1, C) after the embeddings and ids (B, 1) the tokens, B at most
+    `rows` -> x after the last block."""
 
     def __init__(self, mod, model: nn.Module, params: list[torch.Tensor], keys: list[torch.Tensor],
                  values: list[torch.Tensor], rows: int):
@@ -64,7 +64,7 @@ class GPT2Stack:
         self.mod, self.params, self.keys, self.values, self.rows = mod, params, keys, values, rows
         self.n_head, self.eps, self.tanh = cfg.n_head, cfg.layer_norm_eps, cfg.gelu_approximate == "tanh"
 
-    def __call__(self, x: torch.Tensor, cache) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, cache) -> torch.Tensor:
         shared = cache.shared[0] if cache.shared is not None else None
         leaders, lengths = shared if shared is not None else (_NONE, _NONE)
         B, _, C = x.shape
@@ -74,20 +74,53 @@ class GPT2Stack:
         return out.view(B, 1, C)
 
 
-def prepare(model: nn.Module, cache) -> GPT2Stack | None:
-    """The stack for a GPT-2 `model` (its modules as they are now: quantize or pack them first) decoding through
-    `cache` (a KVCache in the model's dtype, one layer group); None where the kernel does not build, the model is
-    another architecture, or a layer is one the kernel cannot read (the caller runs the modules)."""
-    from .model import GPT2
+class NanoChatStack:
+    """nanochat's blocks prepared once for the kernel over one KV cache (`prepare`), called as GPT2Stack is; the
+    embeddings, smear before and the final norm and head after stay in the model."""
 
-    mod = kernel()
-    if mod is None or not isinstance(model, GPT2):
-        return None
-    dtype = model.transformer.wte.weight.dtype
-    layers = [cache.layer(i) for i in range(len(model.transformer.h))]
-    if (cache.device.type != "cpu" or dtype not in ROWS or cache.dtype != dtype
-            or any(g != 0 for g, _, _ in layers)):
-        return None
+    def __init__(self, mod, model: nn.Module, params: list[torch.Tensor], cache, rows: int):
+        cfg = model.config
+        n = cfg.n_layer
+        layers = [cache.layer(i) for i in range(n)]
+        self.mod, self.params, self.rows = mod, params, rows
+        self.keys, self.values = [k for _, k, _ in layers], [v for _, _, v in layers]
+        self.groups = [g for g, _, _ in layers]
+        self.windows = [-1 if w is None else w for w in cfg.layer_windows]
+        embeds = getattr(model, "value_embeds", {})
+        self.ve = [embeds[str(i)].weight.detach() if str(i) in embeds else _EMPTY for i in range(n)]
+        self.cos, self.sin = model.cos, model.sin
+        self.resid = model.resid_lambdas.detach().float().contiguous() if cfg.residual_lambdas else _EMPTY
+        self.x0 = model.x0_lambdas.detach().float().contiguous() if cfg.residual_lambdas else _EMPTY
+        self.backout = (n // 2, float(model.backout_lambda.detach())) if cfg.backout else (-1, 0.0)
+        self.scalars = (cfg.n_head, cfg.n_kv_head, cfg.rms_norm_eps, cfg.qk_scale, cfg.ve_gate_range,
+                        cfg.ve_gate_channels)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, cache) -> torch.Tensor:
+        G = len(cache.slots)
+        shared = cache.shared if cache.shared is not None else [None] * G
+        leaders = [s[0] if s is not None else _NONE for s in shared]
+        lengths = [s[1] if s is not None else _NONE for s in shared]
+        B, _, C = x.shape
+        out = self.mod.nanochat_blocks(x.view(B, C), self.params, self.ve, ids.view(B), self.cos, self.sin,
+                                       self.keys, self.values, self.groups, self.windows, cache.slots, cache.tables,
+                                       leaders, lengths, cache.positions[:, 0], *self.scalars, self.resid, self.x0,
+                                       *self.backout, cache.threads)
+        return out.view(B, 1, C)
+
+
+def _nanochat_params(model: nn.Module, dtype: torch.dtype) -> list[torch.Tensor] | None:
+    params: list[torch.Tensor] = []
+    for block in model.transformer.h:
+        a, m = block.attn, block.mlp
+        per = [_linear(lin, dtype) for lin in (a.c_q, a.c_k, a.c_v, a.c_proj, m.c_fc, m.c_proj)]
+        per.append([_EMPTY] * 3 if a.ve_gate is None else _linear(a.ve_gate, dtype))
+        if any(p is None for p in per):
+            return None
+        params.extend(t for p in per for t in p)
+    return params
+
+
+def _gpt2_params(model: nn.Module, dtype: torch.dtype) -> list[torch.Tensor] | None:
     params: list[torch.Tensor] = []
     for block in model.transformer.h:
         per = [_norm(block.ln_1), _linear(block.attn.c_attn, dtype), _linear(block.attn.c_proj, dtype),
@@ -95,7 +128,30 @@ def prepare(model: nn.Module, cache) -> GPT2Stack | None:
         if any(p is None for p in per):
             return None
         params.extend(t for p in per for t in p)
+    return params
+
+
+def prepare(model: nn.Module, cache) -> GPT2Stack | NanoChatStack | None:
+    """The stack for a GPT-2 or nanochat `model` (its modules as they are now: quantize or pack them first)
+    decoding through `cache` (a KVCache in the model's dtype); None where the kernel does not build or a layer is
+    one the kernel cannot read (the caller runs the modules)."""
+    from .model import GPT2, NanoChatGPT
+
+    mod = kernel()
+    if mod is None or not isinstance(model, (GPT2, NanoChatGPT)):
+        return None
+    dtype = model.transformer.wte.weight.dtype
+    if cache.device.type != "cpu" or dtype not in ROWS or cache.dtype != dtype:
+        return None
+    if isinstance(model, NanoChatGPT):
+        params = _nanochat_params(model, dtype)
+        return None if params is None else NanoChatStack(mod, model, params, cache, ROWS[dtype])
+    layers = [cache.layer(i) for i in range(len(model.transformer.h))]
+    params = _gpt2_params(model, dtype)
+    if params is None or any(g != 0 for g, _, _ in layers):
+        return None
     return GPT2Stack(mod, model, params, [k for _, k, _ in layers], [v for _, _, v in layers], ROWS[dtype])
 
 
 _NONE = torch.empty(0, dtype=torch.long)
+_EMPTY = torch.empty(0)

@@ -37,7 +37,7 @@ from .cuda_graphs import DecodeGraphs, GraphCaptureError
 from .block_pool import chain
 from .kv_cache import CacheBatch, KVCache, LayerGroups
 from .logits import LogitProcessor, LogprobResult, logprobs
-from .model import GPT2, ChatNetwork
+from .model import ChatNetwork
 from .outputs import OutputProcessor
 from .packed import PackedLinear, pack_linears
 from .quantized import quantize_linears
@@ -98,10 +98,10 @@ class LLMEngine:
         n_blocks = cache_blocks(cfg, config, dtype, self.device)
         self.cache = KVCache.for_model(cfg, n_blocks, config.block_size, dtype=dtype, device=self.device)
         self.scheduler = Scheduler(config, n_blocks, config.block_size, self.cache.groups.windows)
-        # decode steps of a few rows run a GPT-2 model's blocks in one call (decode_stack.py; built now)
+        # decode steps of a few rows run the model's blocks in one call (decode_stack.py; built now)
         self.decode_stack = None
         if (config.fused_decode and config.small_row_kernel and self.device.type == "cpu"
-                and isinstance(model, GPT2) and self.attention == "cpu-kernel"):
+                and self.attention == "cpu-kernel"):
             self.decode_stack = decode_stack.prepare(model, self.cache)
         self.fused_decode = self.decode_stack is not None      # (benchmarks switch it off to compare)
         self.graphs = None

@@ -178,12 +178,15 @@ class NanoChatGPT(ChatNetwork):
 
     def hidden(self, ids, cache=None):
         c = self.config
-        pos = self.positions(ids, cache)
-        cos, sin = self.cos[pos][:, :, None, :], self.sin[pos][:, :, None, :]
         eps = c.rms_norm_eps
         x = rms_norm(self.transformer.wte(ids), eps)
         if c.smear:
             x = self._smear(x, ids, cache)
+        stack = cache.fused if cache is not None else None
+        if stack is not None and x.size(0) <= stack.rows:      # decode_stack.py: the blocks (and backout) in one call
+            return rms_norm(stack(x, ids, cache), eps)
+        pos = self.positions(ids, cache)
+        cos, sin = self.cos[pos][:, :, None, :], self.sin[pos][:, :, None, :]
         x0, mid = x, None
         for i, block in enumerate(self.transformer.h):
             if c.residual_lambdas:
@@ -267,7 +270,7 @@ class GPT2(ChatNetwork):
         x = self.transformer.wte(ids) + self.transformer.wpe(self.positions(ids, cache))
         stack = cache.fused if cache is not None else None
         if stack is not None and x.size(0) <= stack.rows:      # decode_stack.py: the blocks in one call
-            x = stack(x, cache)
+            x = stack(x, ids, cache)
         else:
             for block in self.transformer.h:
                 x = block(x, cache)

@@ -3,9 +3,10 @@
     python -m bench.single_stream [--shape 12x768] [--streams 1] [--threads 1 2] [--rounds 3]
                                   [--variants bf16 bf16-before int8 fp32] [--json out.json]
     python -m bench.single_stream --fidelity [--model DIR] [--prompts 64]
+    python -m bench.single_stream --model models/demo-chat --variants fp32 fp32-modules [--streams 1 4]
 
 The model is bench.vllm_peer's random GPT-2 (`--shape` layers x width, the demo vocabulary of 2,048), as #55's
-table measures it: each stream a 64-token prompt and 128 new tokens, greedy, `ignore_eos`, the engine alone
+table measures it, or a checkpoint (`--model`): each stream a 64-token prompt and 128 new tokens, greedy, `ignore_eos`, the engine alone
 (no HTTP). Variants, each on its own copy of the same weights, alternating within every round:
 
 - `bf16`: the engine's default on a CPU with native bf16 (packed linear layers, the small-row kernel at one or
@@ -55,9 +56,15 @@ VARIANTS = {
 }
 
 
-def engine_for(shape: tuple[int, int], variant: str, streams: int) -> LLMEngine:
+def engine_for(shape: tuple[int, int], variant: str, streams: int, model_dir: str | None = None) -> LLMEngine:
+    """The variant's engine on the random GPT-2 of `shape`, or on the checkpoint in `model_dir`."""
     dtype, settings = VARIANTS[variant]
-    model, tok = random_gpt2(*shape)
+    if model_dir:
+        from core.chat import load_chat_model
+
+        model, tok, _ = load_chat_model(model_dir, device="cpu", dtype=dtype)
+    else:
+        model, tok = random_gpt2(*shape)
     return LLMEngine(model.to(dtype), tok, max_rows=max(8, streams), **settings)
 
 
@@ -138,7 +145,8 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--fidelity", action="store_true", help="instead: int8 against bf16 (logits, greedy)")
-    p.add_argument("--model", help="with --fidelity: a checkpoint directory instead of the random GPT-2")
+    p.add_argument("--model", help="a checkpoint directory instead of the random GPT-2 (prompts of random ids "
+                                   "below 2,000)")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--json")
     args = p.parse_args()
@@ -146,13 +154,13 @@ def main() -> None:
     if args.fidelity:
         fidelity(args.model, shape, args.prompts)
         return
-    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, GPT-2 {args.shape}, "
-          f"{args.prompt}-token prompts, {args.new} new tokens")
+    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"{args.model or 'GPT-2 ' + args.shape}, {args.prompt}-token prompts, {args.new} new tokens")
     results = []
     for threads in args.threads:
         torch.set_num_threads(threads)
         for streams in args.streams:
-            engines = {v: engine_for(shape, v, streams) for v in args.variants}
+            engines = {v: engine_for(shape, v, streams, args.model) for v in args.variants}
             for engine in engines.values():
                 one_run(engine, streams, args.prompt, 8, seed=0)                 # warm up
             runs = {v: [] for v in engines}

@@ -1,6 +1,6 @@
 """One stream's decode step in parts: the linear products, the attention kernel, and the rest (#55).
 
-    python -m bench.step_parts [--shape 12x768] [--variant int8-fp32] [--threads 1] [--rounds 3]
+    python -m bench.step_parts [--shape 12x768] [--variant int8-fp32] [--threads 1] [--rounds 3] [--stack]
 
 bench.single_stream's engine (the random GPT-2, a 64-token prompt, 128 new tokens, greedy; the blocks as modules,
 `fused_decode` off), with the small-row kernel's products and the cache attention timed in place (a wall clock
@@ -29,10 +29,15 @@ def main() -> None:
     p.add_argument("--variant", default="int8-fp32", choices=tuple(VARIANTS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--stack", action="store_true",
+                   help="instead: the step with the blocks in one call (decode_stack.py), in its parts")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     layers, width = map(int, args.shape.lower().split("x"))
     engine = engine_for((layers, width), args.variant, 1)
+    if args.stack:
+        stack_parts(engine, args)
+        return
     engine.fused_decode = False      # the blocks as modules, whose products and attention are timed one by one
     products, attention = [], [0.0]
     real_linear, real_attention = quantized_module.small_linear, model_module.cache_attention
@@ -73,6 +78,43 @@ def main() -> None:
         print(f"round {r}: TPOT {tpot * 1e3:.2f} ms = products {spent * 1e3:.2f} ({read / spent / 1e9:.1f} GB/s) "
               f"+ attention {attn * 1e3:.2f} + the rest {(tpot - spent - attn) * 1e3:.2f}; the same products back "
               f"to back {alone * 1e3:.2f} ms ({read / alone / 1e9:.1f} GB/s)")
+
+
+def stack_parts(engine, args) -> None:
+    """A decode step with the blocks in one call: the call, the rest of the model's forward (embeddings, final norm,
+    head) and the engine's own work around the forward (the cache batch, sampling, events), ms a step."""
+    if engine.decode_stack is None:
+        raise SystemExit(f"{args.variant}: the engine runs no decode stack here")
+    stack, model = engine.decode_stack, engine.model
+    blocks, forwards = [], []
+    real_forward = model.forward
+
+    class Timed:                             # the engine hands this to each decode pass instead
+        rows = stack.rows
+
+        def __call__(self, *a):
+            t0 = time.perf_counter()
+            y = stack(*a)
+            blocks.append(time.perf_counter() - t0)
+            return y
+
+    def timed_forward(ids, *a, **k):
+        t0 = time.perf_counter()
+        y = real_forward(ids, *a, **k)
+        if ids.size(1) == 1:                 # decode passes only
+            forwards.append(time.perf_counter() - t0)
+        return y
+
+    engine.decode_stack = Timed()
+    model.forward = timed_forward
+    print(f"{platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), GPT-2 {args.shape}, "
+          f"{args.variant}, blocks in one call, one stream, 64-token prompt, 128 new tokens")
+    for r in range(args.rounds):
+        blocks.clear(), forwards.clear()
+        _, tpot = one_run(engine, 1, 64, 128, r)
+        b, f = sum(blocks) / len(blocks), sum(forwards) / len(forwards)
+        print(f"round {r}: TPOT {tpot * 1e3:.2f} ms = blocks' call {b * 1e3:.2f} + the rest of the forward "
+              f"{(f - b) * 1e3:.2f} + the engine around it {(tpot - f) * 1e3:.2f}")
 
 
 if __name__ == "__main__":

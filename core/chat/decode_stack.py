@@ -10,7 +10,8 @@ the model.
 
 The engine prepares the stack once (`prepare`: the model's parameters as the kernel reads them, the cache's layers)
 where EngineConfig.fused_decode allows and the kernel can read every layer, and hands it to each decode pass in its
-CacheBatch (`fused`); `GPT2.hidden` calls it for a pass of at most its `rows` (ROWS: 2 in bf16, 8 in fp32).
+CacheBatch (`fused`); `GPT2.hidden` calls it for a pass of at most its `rows` (ROWS: 2 in bf16, 4 in fp32, 8
+with int8 weights and fp32 activations).
 Otherwise, and for prefill, the modules run as they are.
 """
 from __future__ import annotations
@@ -22,12 +23,14 @@ from .extensions import extension
 from .packed import PackedLinear
 from .quantized import Int8Linear
 
-# The most rows a pass runs through the stack, by the model's dtype. bf16: where its products go to the small-row
-# kernel anyway (packed.SMALL_ROWS; from three rows oneDNN's bf16 product is faster on the CPUs with native bf16).
-# fp32 (fp32 or int8 weights): the kernel's most, where the stack was measured faster than the modules at 4 and 8
-# streams on the AVX2 EPYC (bench/README.md, "The blocks in one call"; int8's modules multiply a dequantized fp32
-# copy from three rows on).
-ROWS = {torch.float32: 8, torch.bfloat16: 2}
+# The most rows a pass runs through the stack, by the model's dtype and its weights' (bench/README.md, "The blocks in
+# one call"). bf16: where its products go to the small-row kernel anyway (packed.SMALL_ROWS; from three rows
+# oneDNN's bf16 product is faster on the CPUs with native bf16). fp32 with int8 weights: the kernel's most (the
+# modules multiply a dequantized fp32 copy from three rows on: the stack was 1.6-2.5x faster at 4 and 8 streams on
+# the AVX2 EPYC); fp32 weights: 4 (1.25-1.6x faster there at 4 streams; at 8 oneDNN's packed product made the
+# modules as fast or faster).
+ROWS = {(torch.float32, "int8"): 8, (torch.float32, "dtype"): 4, (torch.bfloat16, "int8"): 2,
+        (torch.bfloat16, "dtype"): 2}
 
 
 def kernel():
@@ -141,16 +144,17 @@ def prepare(model: nn.Module, cache) -> GPT2Stack | NanoChatStack | None:
     if mod is None or not isinstance(model, (GPT2, NanoChatGPT)):
         return None
     dtype = model.transformer.wte.weight.dtype
-    if cache.device.type != "cpu" or dtype not in ROWS or cache.dtype != dtype:
+    if cache.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or cache.dtype != dtype:
         return None
+    rows = ROWS[dtype, "int8" if any(isinstance(m, Int8Linear) for m in model.transformer.h.modules()) else "dtype"]
     if isinstance(model, NanoChatGPT):
         params = _nanochat_params(model, dtype)
-        return None if params is None else NanoChatStack(mod, model, params, cache, ROWS[dtype])
+        return None if params is None else NanoChatStack(mod, model, params, cache, rows)
     layers = [cache.layer(i) for i in range(len(model.transformer.h))]
     params = _gpt2_params(model, dtype)
     if params is None or any(g != 0 for g, _, _ in layers):
         return None
-    return GPT2Stack(mod, model, params, [k for _, k, _ in layers], [v for _, _, v in layers], ROWS[dtype])
+    return GPT2Stack(mod, model, params, [k for _, k, _ in layers], [v for _, _, v in layers], rows)
 
 
 _NONE = torch.empty(0, dtype=torch.long)

@@ -369,8 +369,9 @@ class EngineConfig:
     # on the CPU, bf16 products of a decode step's one or two rows through small_linear.py's kernel, which reads
     # the weights at the memory's rate (packed.SMALL_ROWS; with packed_linear)
     small_row_kernel: bool = True
-    # on the CPU, with small_row_kernel, a GPT-2 model's decode step of a few rows (bf16: 2, fp32: 8) runs its blocks
-    # in one C++ call (decode_stack.py): the same products and attention without the small ops and Python between
+    # on the CPU, with small_row_kernel, a decode step of a few rows (decode_stack.ROWS: bf16 2, fp32 4, int8 weights
+    # with fp32 activations 8) runs the model's blocks in one C++ call (decode_stack.py): the same products and
+    # attention without the small ops and Python between them
     fused_decode: bool = True
     # on the CPU, decode reads a prefix that rows hold as copies of one row (prefix-cache hits, n samples) once
     # for all of them (attention.py); the same results either way

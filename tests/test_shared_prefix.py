@@ -208,7 +208,8 @@ def test_attention_on_more_threads_than_the_model_changes_nothing(tokenizer, mod
                     for rid, prompt, params in wave[:5]:
                         engine.add_request(prompt, params, rid)
                 results.append(collect(engine))
-            assert set(seen) == (set() if fused else {n or 1}) and torch.get_num_threads() == 1
+            # (with the stack, only passes of more rows than it takes run the modules, where calls are seen)
+            assert (set(seen) <= {n} if fused else set(seen) == {n or 1}) and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
     assert results[0] == results[1] == results[2]

@@ -155,6 +155,11 @@ def background_soak(request, tmp_path_factory):
     if not any(item.nodeid.endswith(SOAK_TEST) for item in request.session.items):
         yield None
         return
+    # the engine's kernels built here first: the service's replica finds them built instead of compiling them
+    # within its start's timeout, beside unit tests that compile them too (a fresh CI machine)
+    from core.chat.extensions import build_all
+
+    build_all()
     run = BackgroundSoak(tmp_path_factory.mktemp("operations"))
     try:
         yield run

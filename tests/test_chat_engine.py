@@ -514,3 +514,11 @@ def test_decode_reads_scattered_rows_in_place_through_the_cpu_kernel(arch, token
     for i in (1, 3, 5):
         alone = run_alone(model, tokenizer, ps[i], params)[0]
         assert batched[f"r{i}"][0] == alone[len(alone) - len(batched[f"r{i}"][0]):]
+
+
+def test_every_cpu_kernel_builds_here():
+    """The attention kernel, the small-row products and the decode stack all build (extensions.build_all): a
+    kernel whose build fails leaves torch's slower ops and a warning, and its own tests skip, so it fails here."""
+    from core.chat.extensions import build_all
+
+    assert build_all() == {"cache_attention": True, "small_linear": True, "decode_stack": True}

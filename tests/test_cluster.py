@@ -224,7 +224,8 @@ def streaming_replicas(url, timeout: float = 6):
 # Long enough that the streams are still running when the node dies (it dies a few seconds after they start;
 # they end 10 s or more after it, as the test prints; with 1,000 tokens they ended 5-10 s after it, and once,
 # on an idle host, the lost node's streams had all ended before it died), short enough to run them twice
-STREAM_TOKENS = 2000
+STREAM_TOKENS = 3000      # streams still running when the node dies, about 3 s after the first one starts (at
+                          # 2,000 they ended 3.4-9.1 s after the kill here; once, in a full run, none ran on it)
 
 
 def test_node_loss_under_load(cluster):

@@ -41,3 +41,19 @@ def extension(name: str, source: str, fallback: str):
                 module = None
             _built[name] = module   # after the attempt: a thread that sees it sees its result
     return _built[name]
+
+
+def build_all() -> dict[str, bool]:
+    """Build every kernel the chat engine uses on a CPU now (each once per machine; later calls find them built)
+    -> {kernel: whether it built}. A service's replicas otherwise build them as their engines start, which on a
+    fresh 2-core machine takes minutes; an image's build step or a test session can run this first
+    (`python -m core.chat.extensions`)."""
+    from . import attention, decode_stack, small_linear
+
+    return {"cache_attention": attention.kernel() is not None, "small_linear": small_linear.kernel() is not None,
+            "decode_stack": decode_stack.kernel() is not None}
+
+
+if __name__ == "__main__":
+    for name, built in build_all().items():
+        print(f"{name}: {'built' if built else 'not built (see the warning above)'}")

@@ -1,18 +1,19 @@
-"""A GPT-2 model's blocks at a decode step of a few rows in one C++ call (csrc/decode_stack.cpp).
+"""A model's blocks at a decode step of a few rows in one C++ call (csrc/decode_stack.cpp): GPT-2 and every
+nanochat version.
 
-A one-stream decode step reads every weight once; what it spends besides is torch's small ops (two LayerNorms,
-GELU, two adds, the split into heads, the cache's write a block) and the Python of the modules around them: a
-quarter to a third of the step on the CPUs measured (bench/README.md, "One stream at the memory floor"). Here
-the blocks run as one call on buffers of its own: the same products (small_linear.cpp), the same cache writes and
-decode attention (cache_attention.cpp), LayerNorm, GELU and the residual adds as loops, each value rounded to
-the model's dtype where torch's ops round it. The embeddings before and the final LayerNorm and head after stay in
-the model.
+A one-stream decode step reads every weight once; what it spends besides is torch's small ops (norms, the
+activation, residual adds, the split into heads, rotary, the cache's write, a block at a time) and the Python of
+the modules around them: a quarter to a third of a 12 x 768 GPT-2's step on the CPUs measured, most of the demo
+model's (bench/README.md, "The blocks in one call"). Here the blocks run as one call on buffers of its own: the
+same products (small_linear.cpp), the same cache writes and decode attention (cache_attention.cpp), the rest as
+loops over the rows, each value rounded to the model's dtype where torch's ops round it. The embeddings (and
+nanochat's smear) before, the final norm and head after stay in the model.
 
 The engine prepares the stack once (`prepare`: the model's parameters as the kernel reads them, the cache's layers)
 where EngineConfig.fused_decode allows and the kernel can read every layer, and hands it to each decode pass in its
-CacheBatch (`fused`); `GPT2.hidden` calls it for a pass of at most its `rows` (ROWS: 2 in bf16, 4 in fp32, 8
-with int8 weights and fp32 activations).
-Otherwise, and for prefill, the modules run as they are.
+CacheBatch (`fused`); `GPT2.hidden` and `NanoChatGPT.hidden` call it for a pass of at most its `rows` (ROWS: 2 in
+bf16, 4 in fp32, 8 with int8 weights and fp32 activations). Otherwise, and for prefill, the modules run as they
+are.
 """
 from __future__ import annotations
 

@@ -185,6 +185,7 @@ class ChatModel:
                 "rows_used": s.rows_used, "rows_total": s.rows_total, "kv_cache_usage": s.cache_usage,
                 "engine": type(self.engine).__name__, "engine_backend": self.settings.engine.backend,
                 "linear": self.engine.linear, "attention": self.engine.attention, "dtype": self.engine.dtype,
+                "decode": self.engine.decode,
                 "kv_cache": {"blocks_total": s.blocks_total, "blocks_used": s.blocks_used,
                              "blocks_free": s.blocks_total - s.blocks_used, "blocks_cached": s.blocks_cached,
                              "block_size": s.block_size, "preemptions": s.preemptions, "evictions": s.evictions},

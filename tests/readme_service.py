@@ -265,14 +265,15 @@ def check_answers(url: str) -> None:
     chat = httpx.get(f"{url}/debug/stats", timeout=10).json()["chat"]
     # the engine in its own process, in the dtype chat_dtype auto picks on this machine; in fp32 the demo model's
     # linear layers are all under packed.MIN_WEIGHT, where torch's own product is the faster, in bf16 every
-    # layer is packed; decode attention in the CPU kernel (a failed build would leave SDPA, slower: not silently)
+    # layer is packed; decode attention in the CPU kernel (a failed build would leave SDPA, slower: not silently),
+    # and a decode pass of a few rows as decode_stack.py's one call
     import torch
 
     from core.chat.weights import chat_dtype
     want = str(chat_dtype("auto", torch.device("cpu"))[0]).removeprefix("torch.")
     linear = "onednn-packed" if want == "bfloat16" else "torch"
-    assert (chat["engine"], chat["linear"], chat["attention"], chat["dtype"]) == \
-        ("ProcessEngine", linear, "cpu-kernel", want), chat
+    assert (chat["engine"], chat["linear"], chat["attention"], chat["dtype"], chat["decode"]) == \
+        ("ProcessEngine", linear, "cpu-kernel", want, "stack"), chat
     # `startlux chat`, as a user runs it against the service (two turns through HAProxy, greedy)
     out = subprocess.run([str(Path(sys.executable).parent / "startlux"), "chat", "--url", url, "--temperature", "0"],
                          input="What is the capital of France?\nAnd of Italy?\n\n", capture_output=True, text=True,

@@ -343,7 +343,7 @@ class DirectClient(EngineClient):
     """An engine client whose events the test hands over itself (`_deliver`), on a clock it sets."""
 
     max_rows = 4
-    linear = attention = dtype = "none"
+    linear = attention = dtype = decode = "none"
 
     def __init__(self, hold):
         super().__init__(hold=hold)

@@ -165,6 +165,11 @@ class EngineClient(ABC):
     def dtype(self) -> str:
         """The engine's model's precision (LLMEngine.dtype)."""
 
+    @property
+    @abstractmethod
+    def decode(self) -> str:
+        """How a decode pass of a few rows runs the model's blocks (LLMEngine.decode)."""
+
     @abstractmethod
     def alive(self) -> bool:
         """Whether the engine still steps."""
@@ -273,6 +278,10 @@ class ThreadEngine(EngineClient):
     @property
     def dtype(self) -> str:
         return self.engine.dtype
+
+    @property
+    def decode(self) -> str:
+        return self.engine.decode
 
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping

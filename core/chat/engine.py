@@ -130,6 +130,12 @@ class LLMEngine:
         # (an engine built on a model another engine packed finds its layers packed already)
         return "onednn-packed" if any(isinstance(m, PackedLinear) for m in model.modules()) else "torch"
 
+    @property
+    def decode(self) -> str:
+        """How a decode pass of a few rows runs the model's blocks: "stack" (decode_stack.py's one call) or
+        "modules"."""
+        return "stack" if self.fused_decode and self.decode_stack is not None else "modules"
+
     # ---- requests in and out (safe to call from another thread than step())
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     resume: list[int] | None = None) -> str:

@@ -158,6 +158,10 @@ class ProcessEngine(ChildClient, EngineClient):
     def dtype(self) -> str:
         return self.info.dtype
 
+    @property
+    def decode(self) -> str:
+        return self.info.decode
+
     def alive(self) -> bool:
         return ChildClient.alive(self)
 
@@ -177,7 +181,7 @@ def serve_engine(conn: Connection) -> None:
         conn.send(Failed(traceback.format_exc()))
         return
     conn.send(EngineReady(str(engine.device), os.getpid(), torch_threads(), policy, engine.linear, engine.attention,
-                    engine.dtype))
+                          engine.dtype, engine.decode))
 
     def emit(events) -> None:
         conn.send_bytes(encode_events(events))     # msgpack: a few times cheaper than pickling the events

@@ -441,6 +441,7 @@ class EngineReady(msgspec.Struct, frozen=True):
     linear: str = ""        # how the model's linear layers run: LLMEngine.linear
     attention: str = ""     # how decode attention runs: LLMEngine.attention
     dtype: str = ""         # the model's precision: LLMEngine.dtype
+    decode: str = ""        # how a decode pass of a few rows runs the blocks: LLMEngine.decode
 
 
 class Rejected(msgspec.Struct, frozen=True):

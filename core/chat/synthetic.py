@@ -57,7 +57,7 @@ class SyntheticEngine:
         config = config or EngineConfig(backend="synthetic")
         self.config = config
         self.tok, self.sequence_len, self.vocab_size = tokenizer, sequence_len, vocab_size
-        self.linear = self.attention = self.dtype = "none"     # no model (LLMEngine's say how a model runs)
+        self.linear = self.attention = self.dtype = self.decode = "none"   # no model (LLMEngine's say how one runs)
         self.max_rows = config.max_rows
         self.step_s = config.synthetic_step_s
         self.device = "synthetic"

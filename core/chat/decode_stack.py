@@ -62,10 +62,10 @@ class GPT2Stack:
     `stack(x, ids, cache_batch)` with x (B, 1, C) after the embeddings and ids (B, 1) the tokens, B at most
     `rows` -> x after the last block."""
 
-    def __init__(self, mod, model: nn.Module, params: list[torch.Tensor], keys: list[torch.Tensor],
-                 values: list[torch.Tensor], rows: int):
+    def __init__(self, mod, model: nn.Module, params: list[torch.Tensor], cache, rows: int):
         cfg = model.config
-        self.mod, self.params, self.keys, self.values, self.rows = mod, params, keys, values, rows
+        self.mod, self.params, self.rows = mod, params, rows
+        self.keys, self.values = _cache_layers(cache, cfg.n_layer)
         self.n_head, self.eps, self.tanh = cfg.n_head, cfg.layer_norm_eps, cfg.gelu_approximate == "tanh"
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, cache) -> torch.Tensor:
@@ -85,10 +85,9 @@ class NanoChatStack:
     def __init__(self, mod, model: nn.Module, params: list[torch.Tensor], cache, rows: int):
         cfg = model.config
         n = cfg.n_layer
-        layers = [cache.layer(i) for i in range(n)]
         self.mod, self.params, self.rows = mod, params, rows
-        self.keys, self.values = [k for _, k, _ in layers], [v for _, _, v in layers]
-        self.groups = [g for g, _, _ in layers]
+        self.keys, self.values = _cache_layers(cache, n)
+        self.groups = [cache.layer(i)[0] for i in range(n)]
         self.windows = [-1 if w is None else w for w in cfg.layer_windows]
         embeds = getattr(model, "value_embeds", {})
         self.ve = [embeds[str(i)].weight.detach() if str(i) in embeds else _EMPTY for i in range(n)]
@@ -110,6 +109,12 @@ class NanoChatStack:
                                        leaders, lengths, cache.positions[:, 0], *self.scalars, self.resid, self.x0,
                                        *self.backout, cache.threads)
         return out.view(B, 1, C)
+
+
+def _cache_layers(cache, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each layer's keys and values in `cache`."""
+    layers = [cache.layer(i) for i in range(n)]
+    return [k for _, k, _ in layers], [v for _, _, v in layers]
 
 
 def _nanochat_params(model: nn.Module, dtype: torch.dtype) -> list[torch.Tensor] | None:
@@ -151,11 +156,10 @@ def prepare(model: nn.Module, cache) -> GPT2Stack | NanoChatStack | None:
     if isinstance(model, NanoChatGPT):
         params = _nanochat_params(model, dtype)
         return None if params is None else NanoChatStack(mod, model, params, cache, rows)
-    layers = [cache.layer(i) for i in range(len(model.transformer.h))]
     params = _gpt2_params(model, dtype)
-    if params is None or any(g != 0 for g, _, _ in layers):
+    if params is None or len(cache.groups) != 1:      # (GPT-2 has no sliding windows: one layer group)
         return None
-    return GPT2Stack(mod, model, params, [k for _, k, _ in layers], [v for _, _, v in layers], rows)
+    return GPT2Stack(mod, model, params, cache, rows)
 
 
 _NONE = torch.empty(0, dtype=torch.long)

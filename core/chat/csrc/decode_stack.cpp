@@ -1,4 +1,5 @@
-// A GPT-2 model's blocks at a decode step of a few rows, in one call (core/chat/decode_stack.py loads this file).
+// A model's blocks (GPT-2's, nanochat's) at a decode step of a few rows, in one call (core/chat/decode_stack.py
+// loads this file).
 //
 // At a few rows a decode step is the time to read the weights, plus everything between the reads: per block
 // two LayerNorms, a split into heads, two residual adds, GELU, the cache's write and its attention, each a torch
@@ -62,7 +63,29 @@ struct Threads {
   }
 };
 
+// The pass's new keys and values into one layer's cache (K, V), then its queries' decode attention over it on
+// `threads` torch threads (0: as they are) -> (B, H, D) as fp32
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& K,
+                     const torch::Tensor& V, const torch::Tensor& slots, const torch::Tensor& tables,
+                     const torch::Tensor& positions, int64_t window, double scale, const torch::Tensor& leaders,
+                     const torch::Tensor& shared, int64_t threads) {
+  write_kv(K, V, k, v, slots);
+  torch::Tensor y;
+  {
+    Threads t(threads);
+    y = decode_attention(q, K, V, tables, positions, window, scale, leaders, shared);
+  }
+  return y.to(at::kFloat).contiguous();
+}
+
+// x (B, C) as fp32 values, the residual stream the blocks update
+std::vector<float> stream_of(const torch::Tensor& x) {
+  auto xf = x.to(at::kFloat).contiguous();
+  return std::vector<float>(xf.data_ptr<float>(), xf.data_ptr<float>() + xf.numel());
+}
+
 constexpr int PER_LAYER = 16;
+constexpr int GPT2_WEIGHTS[4] = {2, 5, 10, 13};   // c_attn, attn c_proj, c_fc, mlp c_proj: weight, scale, bias
 
 }  // namespace
 
@@ -88,8 +111,8 @@ torch::Tensor gpt2_blocks(torch::Tensor x, std::vector<torch::Tensor> params, st
     const torch::Tensor* p = params.data() + l * PER_LAYER;
     const int64_t ins[4] = {C, C, C, 4 * C}, outs[4] = {3 * C, C, 4 * C, C};
     for (int j = 0; j < 4; ++j) {
-      const torch::Tensor& w = p[2 + 3 * j + (j >= 2 ? 2 : 0)];
-      const torch::Tensor& s = p[3 + 3 * j + (j >= 2 ? 2 : 0)];
+      const torch::Tensor& w = p[GPT2_WEIGHTS[j]];
+      const torch::Tensor& s = p[GPT2_WEIGHTS[j] + 1];
       check_weight(w, s.numel() ? c10::optional<torch::Tensor>(s) : c10::nullopt, "gpt2_blocks");
       TORCH_CHECK(w.size(0) == outs[j] && w.size(1) == ins[j], "gpt2_blocks: layer ", l, "'s weight shapes");
       TORCH_CHECK(w.scalar_type() == at::kChar || w.scalar_type() == x.scalar_type(),
@@ -102,11 +125,7 @@ torch::Tensor gpt2_blocks(torch::Tensor x, std::vector<torch::Tensor> params, st
   }
   auto opts = x.options();
   auto q = torch::empty({B, H, D}, opts), k = torch::empty({B, H, 1, D}, opts), v = torch::empty({B, H, 1, D}, opts);
-  std::vector<float> xs(B * C), h(B * C), wide(B * 4 * C);
-  {
-    auto xf = x.to(at::kFloat).contiguous();
-    std::memcpy(xs.data(), xf.data_ptr<float>(), B * C * sizeof(float));
-  }
+  std::vector<float> xs = stream_of(x), h(B * C), wide(B * 4 * C);
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   // a product's output stored as the model's dtype holds it, into q, k and v
   auto store_qkv = [&](auto* qp, auto* kp, auto* vp) {
@@ -129,14 +148,9 @@ torch::Tensor gpt2_blocks(torch::Tensor x, std::vector<torch::Tensor> params, st
     else
       product(h.data(), B, C, p[2], maybe(p[3]), maybe(p[4]),
               store_qkv(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>()));
-    write_kv(keys[l], values[l], k, v, slots);
-    torch::Tensor y;
-    {
-      Threads t(attention_threads);
-      y = decode_attention(q, keys[l], values[l], tables, positions, -1, scale, leaders, shared);
-    }
-    auto yf = y.to(at::kFloat).contiguous();
-    product(yf.data_ptr<float>(), B, C, p[5], maybe(p[6]), maybe(p[7]), add_to_stream);
+    auto y = attend(q, k, v, keys[l], values[l], slots, tables, positions, -1, scale, leaders, shared,
+                    attention_threads);
+    product(y.data_ptr<float>(), B, C, p[5], maybe(p[6]), maybe(p[7]), add_to_stream);
     layer_norm(xs.data(), B, C, maybe(p[8]), maybe(p[9]), static_cast<float>(eps), bf16, h.data());
     const int64_t F = 4 * C;
     product(h.data(), B, C, p[10], maybe(p[11]), maybe(p[12]),
@@ -144,9 +158,7 @@ torch::Tensor gpt2_blocks(torch::Tensor x, std::vector<torch::Tensor> params, st
     gelu(wide.data(), B * F, tanh_gelu, bf16);
     product(wide.data(), B, F, p[13], maybe(p[14]), maybe(p[15]), add_to_stream);
   }
-  auto out = torch::from_blob(xs.data(), {B, C}, at::kFloat).to(x.scalar_type(), /*non_blocking=*/false,
-                                                                /*copy=*/true);
-  return out;
+  return torch::from_blob(xs.data(), {B, C}, at::kFloat).to(x.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
 }
 
 namespace {
@@ -260,13 +272,9 @@ torch::Tensor nanochat_blocks(torch::Tensor x, std::vector<torch::Tensor> params
   }
   auto opts = x.options();
   auto q = torch::empty({B, H, D}, opts), k = torch::empty({B, Hkv, 1, D}, opts), v = torch::empty({B, Hkv, 1, D}, opts);
-  std::vector<float> xs(B * C), x0(B * C), mid, h(B * C), qf(B * C), kf(B * KV), vf(B * KV), wide(B * F),
+  std::vector<float> xs = stream_of(x), x0 = xs, mid, h(B * C), qf(B * C), kf(B * KV), vf(B * KV), wide(B * F),
       gate_in(B * std::max<int64_t>(ve_channels, 1)), gate(B * Hkv);
-  {
-    auto xf = x.to(at::kFloat).contiguous();
-    std::memcpy(xs.data(), xf.data_ptr<float>(), B * C * sizeof(float));
-    x0 = xs;
-  }
+  const auto none = torch::empty({0}, torch::kLong);   // a windowed layer reads no shared prefix
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   const float feps = static_cast<float>(eps);
   auto add_to_stream = [&](int64_t r, int64_t n, float val) {
@@ -327,16 +335,10 @@ torch::Tensor nanochat_blocks(torch::Tensor x, std::vector<torch::Tensor> params
       to_tensor(vf.data(), v.data_ptr<float>(), B * KV);
     }
     const int64_t g = group[l];
-    write_kv(keys[l], values[l], k, v, slots[g]);
-    torch::Tensor y;
-    {
-      Threads t(attention_threads);
-      const bool full = window[l] < 0;
-      y = decode_attention(q, keys[l], values[l], tables[g], positions, window[l], scale,
-                           full ? leaders[g] : leaders[g].new_empty({0}), full ? shared[g] : shared[g].new_empty({0}));
-    }
-    auto yf = y.to(at::kFloat).contiguous();
-    product(yf.data_ptr<float>(), B, C, p[9], maybe(p[10]), maybe(p[11]), add_to_stream);
+    const bool full = window[l] < 0;
+    auto y = attend(q, k, v, keys[l], values[l], slots[g], tables[g], positions, window[l], scale,
+                    full ? leaders[g] : none, full ? shared[g] : none, attention_threads);
+    product(y.data_ptr<float>(), B, C, p[9], maybe(p[10]), maybe(p[11]), add_to_stream);
     // MLP: relu(c_fc(norm(x)))^2 through c_proj
     rms_norm(xs.data(), B, C, feps, bf16, h.data());
     product(h.data(), B, C, p[12], maybe(p[13]), maybe(p[14]), [&](int64_t r, int64_t n, float val) {
@@ -356,5 +358,4 @@ torch::Tensor nanochat_blocks(torch::Tensor x, std::vector<torch::Tensor> params
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gpt2_blocks", &gpt2_blocks, "a GPT-2 model's blocks at a decode step of 1-8 rows, in one call");
   m.def("nanochat_blocks", &nanochat_blocks, "nanochat's blocks at a decode step of 1-8 rows, in one call");
-  m.def("small_linear", &small_linear, "x . w^T at 1-8 rows (as startlux_small_linear's)");
 }

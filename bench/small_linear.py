@@ -13,8 +13,9 @@ packed.SMALL_ROWS and quantized.Int8Linear use.
 
 A weight of a few MB stays in the core's caches between calls; a model's decode step streams every weight
 from memory once. `--streamed MB`: each path multiplies, in turn, as many distinct weights of the shape as
-make MB megabytes of bf16 (a 12 x 768 GPT-2 reads 174), so the figures are rates from memory; with `sum` (torch
-summing the bf16 weights) as this core's plain reading rate beside them.
+make MB megabytes of bf16 (a 12 x 768 GPT-2 reads 174), so the figures are rates from memory: the kernel on
+bf16, int8 (with bf16 or fp32 rows of x) and fp32 weights (half as many, the same bytes), oneDNN's packed bf16
+where the CPU packs bf16, and `sum` (torch summing the bf16 weights) as this core's plain reading rate.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from core.chat.packed import packs
 from core.chat.quantized import quantize
 from core.chat.small_linear import kernel
 
@@ -56,20 +58,26 @@ def paths(n: int, k: int, rows: int):
 
 
 def streamed(n: int, k: int, rows: int, mb: int, threads: int, rounds: int) -> dict:
-    """Rates reading `mb` MB of distinct bf16 weights (int8: half the bytes) from memory, per path."""
+    """Rates reading `mb` MB of distinct bf16 weights (int8: half the bytes, fp32: twice) from memory, per path;
+    oneDNN's packed bf16 only where this CPU packs bf16."""
     torch.set_num_threads(threads)
     count = max(2, mb * 10 ** 6 // (2 * n * k))
     g = torch.Generator().manual_seed(1)
     ws = [torch.randn(n, k, generator=g).bfloat16() for _ in range(count)]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws]
     quant = [quantize(w) for w in ws]
+    full = [w.float() for w in ws[: max(1, count // 2)]]      # as many bytes as the bf16 weights
     x = torch.randn(rows, k, generator=g).bfloat16()
+    xf = x.float()
     ext = kernel()
-    paths = {"ours bf16": (lambda: [ext.small_linear(x, w, None, None) for w in ws], 2),
-             "ours int8": (lambda: [ext.small_linear(x, q, s, None) for q, s in quant], 1),
-             "oneDNN bf16 packed": (lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                                             for p in packed], 2),
-             "sum": (lambda: [w.sum() for w in ws], 2)}
+    paths = {"ours bf16": (lambda: [ext.small_linear(x, w, None, None) for w in ws], 2 * count),
+             "ours int8": (lambda: [ext.small_linear(x, q, s, None) for q, s in quant], count),
+             "ours int8, fp32 x": (lambda: [ext.small_linear(xf, q, s, None) for q, s in quant], count),
+             "ours fp32": (lambda: [ext.small_linear(xf, w, None, None) for w in full], 4 * len(full)),
+             "sum": (lambda: [w.sum() for w in ws], 2 * count)}
+    if packs(torch.bfloat16):
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws]
+        paths["oneDNN bf16 packed"] = (lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                                                for p in packed], 2 * count)
     best = {name: float("inf") for name in paths}
     for fn, _ in paths.values():
         fn()
@@ -78,7 +86,7 @@ def streamed(n: int, k: int, rows: int, mb: int, threads: int, rounds: int) -> d
             best[name] = min(best[name], timed(fn, 1))
     row = {"shape": f"{n}x{k}", "rows": rows, "threads": threads, "streamed_MB": round(count * 2 * n * k / 1e6),
            "ms": {name: round(t * 1e3, 2) for name, t in best.items()},
-           "GBps": {name: round(count * n * k * paths[name][1] / t / 1e9, 1) for name, t in best.items()}}
+           "GBps": {name: round(paths[name][1] * n * k / t / 1e9, 1) for name, t in best.items()}}
     print(f"{n}x{k} x {count} ({row['streamed_MB']} MB of bf16) rows {rows} threads {threads}, from memory: " +
           ", ".join(f"{name} {row['ms'][name]:.1f} ms ({row['GBps'][name]:.1f} GB/s)" for name in best), flush=True)
     return row

@@ -53,8 +53,38 @@ def run(model, fused: bool, steps: int = 6, dtype=torch.float32, rows=(0, 1, 2))
     return torch.stack(out)
 
 
+def run_many(model, fused: bool, n: int, steps: int = 4):
+    """`n` entries with prompts of their own (9 to 9 + n - 1 tokens), then `steps` decode passes of all of them,
+    each fed its own greedy token -> the passes' logits (steps, n, V)."""
+    cache = KVCache.for_model(model.config, 2 * n * len(KVCache.for_model(model.config, 1, BS).groups) + 1, BS)
+    stack = decode_stack.prepare(model, cache) if fused else None
+    g = torch.Generator().manual_seed(6)
+    free = iter(range(1, 1 << 20))
+    tables = [[[next(free), next(free)] for _ in range(len(cache.groups))] for _ in range(n)]
+    prompts = [torch.randint(3, 500, (9 + i,), generator=g) for i in range(n)]
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            model(p[None], CacheBatch.build(cache, [tables[i]], [0], len(p)))
+        pos = [len(p) for p in prompts]
+        token, before = [torch.tensor(5 + i) for i in range(n)], [int(p[-1]) for p in prompts]
+        out = []
+        for _ in range(steps):
+            cb = CacheBatch.build(cache, tables, pos, 1, before if model.needs_previous else None, fused=stack)
+            logits = model(torch.stack(token)[:, None], cb, last=torch.zeros(n, dtype=torch.long))
+            out.append(logits)
+            for i in range(n):
+                before[i], token[i], pos[i] = int(token[i]), logits[i].argmax(), pos[i] + 1
+    return torch.stack(out)
+
+
 def build(arch, tokenizer, dtype=torch.float32, weights="dtype", **kw):
-    model = tiny_model(arch, tokenizer, seed=5, std=0.3, **kw).to(dtype)
+    model = tiny_model(arch, tokenizer, seed=5, std=0.3, **kw)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():       # biases and LayerNorm gains of their own (init_weights makes them 0 and 1)
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or (name.endswith("weight") and p.dim() == 1):
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    model = model.to(dtype)
     if weights == "int8":
         quantize_linears(model)
     return model
@@ -97,6 +127,45 @@ def test_the_stack_rounds_as_the_modules_do_in_bf16(tokenizer, arch, weights):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
+@pytest.mark.parametrize("rows", [8, 12, 20])
+@pytest.mark.parametrize("arch", ["gpt2", "modern"])
+def test_a_small_fp32_model_takes_the_stack_at_many_rows(tokenizer, arch, rows):
+    """fp32 weights left unpacked (a small model's): the stack runs passes of up to decode_stack.MAX_ROWS rows,
+    eight rows a kernel pass and torch's product beyond eight, and computes what the modules do (within 1e-5 of
+    the logits' spread), greedy tokens equal."""
+    model = build(arch, tokenizer)
+    assert decode_stack.weights_kind(model) == "dtype"
+    assert decode_stack.prepare(model, KVCache.for_model(model.config, 8, BS)).rows == decode_stack.MAX_ROWS
+    want, got = run_many(model, False, rows), run_many(model, True, rows)
+    spread = (want.max() - want.min()).item()
+    assert (got - want).abs().max().item() <= 1e-5 * spread
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_packed_and_int8_weights_keep_the_stack_to_few_rows(tokenizer, monkeypatch):
+    """Where packed.py packs the blocks' layers for oneDNN, an fp32 pass of more than four rows runs the modules
+    (oneDNN's packed product is as fast there); int8 weights take the stack up to eight rows."""
+    from core.chat.packed import available, pack_linears
+
+    if not available():
+        pytest.skip("torch without oneDNN")
+    calls = []
+    forward = GPT2Block.forward
+    monkeypatch.setattr(GPT2Block, "forward", lambda self, *a: calls.append(1) or forward(self, *a))
+    model = gpt2(tokenizer)
+    pack_linears(model, min_weight=0)
+    assert decode_stack.weights_kind(model) == "packed"
+    assert decode_stack.prepare(model, KVCache.for_model(model.config, 8, BS)).rows == 4
+    run_many(model, True, 4, steps=2)
+    assert len(calls) == 4 * 2                     # four prefills of two blocks; the decode passes: the stack
+    calls.clear()
+    run_many(model, True, 5, steps=2)
+    assert len(calls) == 5 * 2 + 2 * 2             # five rows: the modules
+    int8 = gpt2(tokenizer, weights="int8")
+    assert decode_stack.weights_kind(int8) == "int8"
+    assert decode_stack.prepare(int8, KVCache.for_model(int8.config, 8, BS)).rows == 8
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["gpt2", "modern"])
 def test_a_row_computes_the_same_bits_alone_as_in_a_batch(tokenizer, arch, dtype):
@@ -111,9 +180,9 @@ def test_a_row_computes_the_same_bits_alone_as_in_a_batch(tokenizer, arch, dtype
 
 
 def test_the_stack_replaces_the_blocks_and_the_modules_run_otherwise(tokenizer, monkeypatch):
-    """A decode pass of up to the stack's rows (fp32: 4, bf16: 2) given the stack calls no block module; more rows,
-    a prefill and a pass without it run the modules; a model with a layer the stack cannot read, or a cache of
-    another dtype, gets none."""
+    """A decode pass of up to the stack's rows (a small fp32 model: 64, bf16: 2) given the stack calls no block
+    module; more rows, a prefill and a pass without it run the modules; a model with a layer the stack cannot
+    read, or a cache of another dtype, gets none."""
     calls = []
     forward = GPT2Block.forward
     monkeypatch.setattr(GPT2Block, "forward", lambda self, *a: calls.append(1) or forward(self, *a))
@@ -131,7 +200,7 @@ def test_the_stack_replaces_the_blocks_and_the_modules_run_otherwise(tokenizer, 
     assert decode_stack.prepare(model.to(torch.bfloat16), KVCache.for_model(model.config, 8, BS)) is None  # dtypes
 
 
-@pytest.mark.parametrize("streams", [2, 4])
+@pytest.mark.parametrize("streams", [2, 4, 12])
 @pytest.mark.parametrize("arch", ["gpt2", "modern"])
 def test_the_engine_decodes_through_the_stack_with_the_same_tokens(tokenizer, arch, streams):
     """The engine takes the stack on the CPU (EngineConfig.fused_decode) unless it is switched off, and a few
@@ -140,7 +209,7 @@ def test_the_engine_decodes_through_the_stack_with_the_same_tokens(tokenizer, ar
 
     outs = []
     for fused in (True, False):
-        engine = LLMEngine(build(arch, tokenizer), tokenizer, max_rows=8, fused_decode=fused)
+        engine = LLMEngine(build(arch, tokenizer), tokenizer, max_rows=16, fused_decode=fused)
         assert engine.fused_decode is fused
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         for i, p in enumerate(prompts(streams, seed=3)):

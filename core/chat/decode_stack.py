@@ -12,8 +12,8 @@ nanochat's smear) before, the final norm and head after stay in the model.
 The engine prepares the stack once (`prepare`: the model's parameters as the kernel reads them, the cache's layers)
 where EngineConfig.fused_decode allows and the kernel can read every layer, and hands it to each decode pass in its
 CacheBatch (`fused`); `GPT2.hidden` and `NanoChatGPT.hidden` call it for a pass of at most its `rows` (ROWS: 2 in
-bf16, 4 in fp32, 8 with int8 weights and fp32 activations). Otherwise, and for prefill, the modules run as they
-are.
+bf16, 4 in fp32 with weights packed for oneDNN, 64 in fp32 with small weights left unpacked, 8 with int8 weights and
+fp32 activations). Otherwise, and for prefill, the modules run as they are.
 """
 from __future__ import annotations
 
@@ -25,13 +25,25 @@ from .packed import PackedLinear
 from .quantized import Int8Linear
 
 # The most rows a pass runs through the stack, by the model's dtype and its weights' (bench/README.md, "The blocks in
-# one call"). bf16: where its products go to the small-row kernel anyway (packed.SMALL_ROWS; from three rows
-# oneDNN's bf16 product is faster on the CPUs with native bf16). fp32 with int8 weights: the kernel's most (the
-# modules multiply a dequantized fp32 copy from three rows on: the stack was 1.6-2.5x faster at 4 and 8 streams on
-# the AVX2 EPYC); fp32 weights: 4 (1.25-1.6x faster there at 4 streams; at 8 oneDNN's packed product made the
-# modules as fast or faster).
-ROWS = {(torch.float32, "int8"): 8, (torch.float32, "dtype"): 4, (torch.bfloat16, "int8"): 2,
-        (torch.bfloat16, "dtype"): 2}
+# one call" and "The stack at many rows"). bf16: where its products go to the small-row kernel anyway
+# (packed.SMALL_ROWS; from three rows oneDNN's bf16 product is faster on the CPUs with native bf16). fp32 with int8
+# weights: the kernel's most (the modules multiply a dequantized fp32 copy from three rows on: the stack was
+# 1.6-2.5x faster at 4 and 8 streams on the AVX2 EPYC); fp32 weights that packed.py packs for oneDNN: 4 (1.25-1.6x
+# faster there at 4 streams; at 8 oneDNN's packed product made the modules as fast or faster); fp32 weights it
+# leaves unpacked (layers under packed.MIN_WEIGHT: a small model, whose modules multiply on MKL through F.linear):
+# MAX_ROWS, the stack calling MKL itself beyond the kernel's eight rows.
+ROWS = {(torch.float32, "int8"): 8, (torch.float32, "packed"): 4, (torch.float32, "dtype"): 64,
+        (torch.bfloat16, "int8"): 2, (torch.bfloat16, "packed"): 2, (torch.bfloat16, "dtype"): 2}
+MAX_ROWS = 64       # csrc/decode_stack.cpp's MAX_STACK_ROWS
+
+
+def weights_kind(model: nn.Module) -> str:
+    """How the blocks' linear layers hold their weights, as ROWS reads it: "int8" (any Int8Linear), "packed"
+    (any PackedLinear: oneDNN's product from packed.MIN_ROWS rows), else "dtype"."""
+    layers = list(model.transformer.h.modules())
+    if any(isinstance(m, Int8Linear) for m in layers):
+        return "int8"
+    return "packed" if any(isinstance(m, PackedLinear) for m in layers) else "dtype"
 
 
 def kernel():
@@ -152,7 +164,7 @@ def prepare(model: nn.Module, cache) -> GPT2Stack | NanoChatStack | None:
     dtype = model.transformer.wte.weight.dtype
     if cache.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or cache.dtype != dtype:
         return None
-    rows = ROWS[dtype, "int8" if any(isinstance(m, Int8Linear) for m in model.transformer.h.modules()) else "dtype"]
+    rows = ROWS[dtype, weights_kind(model)]
     if isinstance(model, NanoChatGPT):
         params = _nanochat_params(model, dtype)
         return None if params is None else NanoChatStack(mod, model, params, cache, rows)

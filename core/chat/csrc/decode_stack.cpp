@@ -1,5 +1,5 @@
-// A model's blocks (GPT-2's, nanochat's) at a decode step of a few rows, in one call (core/chat/decode_stack.py
-// loads this file).
+// A model's blocks (GPT-2's, nanochat's) at a decode step of a few rows (a small model's up to 64), in one call
+// (core/chat/decode_stack.py loads this file).
 //
 // At a few rows a decode step is the time to read the weights, plus everything between the reads: per block
 // two LayerNorms, a split into heads, two residual adds, GELU, the cache's write and its attention, each a torch
@@ -84,6 +84,7 @@ std::vector<float> stream_of(const torch::Tensor& x) {
   return std::vector<float>(xf.data_ptr<float>(), xf.data_ptr<float>() + xf.numel());
 }
 
+constexpr int64_t MAX_STACK_ROWS = 64;
 constexpr int PER_LAYER = 16;
 constexpr int GPT2_WEIGHTS[4] = {2, 5, 10, 13};   // c_attn, attn c_proj, c_fc, mlp c_proj: weight, scale, bias
 
@@ -100,7 +101,7 @@ torch::Tensor gpt2_blocks(torch::Tensor x, std::vector<torch::Tensor> params, st
                           torch::Tensor positions, torch::Tensor leaders, torch::Tensor shared, int64_t n_head,
                           double eps, bool tanh_gelu, int64_t attention_threads) {
   const int64_t L = static_cast<int64_t>(keys.size());
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8, "gpt2_blocks: x (B, C), 1 to 8 rows");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= MAX_STACK_ROWS, "gpt2_blocks: x (B, C), 1 to 64 rows");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "gpt2_blocks: fp32 or bf16 x");
   TORCH_CHECK(static_cast<int64_t>(params.size()) == PER_LAYER * L && values.size() == keys.size(),
               "gpt2_blocks: 16 parameters and a cache layer per block");
@@ -220,7 +221,7 @@ torch::Tensor nanochat_blocks(torch::Tensor x, std::vector<torch::Tensor> params
                               torch::Tensor x0_lambdas, int64_t backout_layer, double backout_lambda,
                               int64_t attention_threads) {
   const int64_t L = static_cast<int64_t>(keys.size());
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8, "nanochat_blocks: x (B, C), 1 to 8 rows");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= MAX_STACK_ROWS, "nanochat_blocks: x (B, C), 1 to 64 rows");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "nanochat_blocks: fp32 or bf16 x");
   TORCH_CHECK(static_cast<int64_t>(params.size()) == NANO_PER_LAYER * L && values.size() == keys.size() &&
                   ve.size() == keys.size() && group.size() == keys.size() && window.size() == keys.size(),

@@ -1,6 +1,7 @@
 // Linear layers at the few rows of a decode step (core/chat/small_linear.py loads this file).
 //
-// y (M, N) = x (M, K) . w (N, K)^T [* scale (N)] [+ bias (N)] for M up to 8 rows. At these sizes the product is
+// y (M, N) = x (M, K) . w (N, K)^T [* scale (N)] [+ bias (N)] for M up to 8 rows (decode_stack.cpp's product() takes
+// more: eight rows a pass, or torch's product for fp32 weights). At these sizes the product is
 // a matter of reading the weight once, at the memory's rate: each weight row is read once for every row of x,
 // converted to fp32 in registers (bf16: a shift; int8: a widening with the row's scale applied to the sum), and
 // multiplied into fp32 sums; x itself, converted to fp32 once, stays in the first-level cache. Work is split over
@@ -200,20 +201,44 @@ static void run(int64_t R, const float* xf, const w_t* w, int64_t K, int64_t n0,
 constexpr int64_t BLOCK = 64;   // output columns per task
 
 // The product of M rows of fp32 x (M, K) by w (N, K; bf16, fp32 or int8) over the intra-op threads, split by
-// output columns: each output's sum [* sp[n]] [+ bp[n]] goes to store(r, n, value), once, from one thread.
+// output columns: each output's sum [* sp[n]] [+ bp[n]] goes to store(r, n, value), once, from one thread. Up to
+// eight rows the kernel's passes, and a row computes the same bits alone as in any such batch; more rows of an fp32
+// weight go to torch's product (MKL: at 16-32 rows of a small model's weights it was faster than the kernel's
+// passes, bench/README.md "The stack at many rows"), other weights eight rows a pass.
 template <typename Store>
 static void product(const float* xp, int64_t M, int64_t K, const torch::Tensor& w, const float* sp, const float* bp,
                     Store&& store) {
   const int64_t N = w.size(0);
+  if (M > 8 && w.scalar_type() == at::kFloat) {
+    // torch's product (MKL), then the scale and bias as the kernel applies them
+    auto y = at::mm(torch::from_blob(const_cast<float*>(xp), {M, K}, at::kFloat), w.t());
+    const float* yp = y.data_ptr<float>();
+    at::parallel_for(0, N, BLOCK, [&](int64_t n0, int64_t n1) {
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t n = n0; n < n1; ++n) {
+          float v = yp[r * N + n];
+          if (sp) v *= sp[n];
+          if (bp) v += bp[n];
+          store(r, n, v);
+        }
+    });
+    return;
+  }
   at::parallel_for(0, (N + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
     const int64_t n0 = b0 * BLOCK, n1 = std::min(N, b1 * BLOCK), width = n1 - n0;
     std::vector<float> part(M * width);
-    if (w.scalar_type() == at::kBFloat16)
-      run(M, xp, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), K, n0, n1, part.data());
-    else if (w.scalar_type() == at::kChar)
-      run(M, xp, w.data_ptr<int8_t>(), K, n0, n1, part.data());
-    else
-      run(M, xp, w.data_ptr<float>(), K, n0, n1, part.data());
+    // eight rows of x at a time over the block's weight rows (the later passes read them from the cache)
+    for (int64_t r0 = 0; r0 < M; r0 += 8) {
+      const int64_t R = std::min<int64_t>(8, M - r0);
+      const float* xr = xp + r0 * K;
+      float* pr = part.data() + r0 * width;
+      if (w.scalar_type() == at::kBFloat16)
+        run(R, xr, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), K, n0, n1, pr);
+      else if (w.scalar_type() == at::kChar)
+        run(R, xr, w.data_ptr<int8_t>(), K, n0, n1, pr);
+      else
+        run(R, xr, w.data_ptr<float>(), K, n0, n1, pr);
+    }
     for (int64_t r = 0; r < M; ++r)
       for (int64_t n = n0; n < n1; ++n) {
         float v = part[r * width + (n - n0)];

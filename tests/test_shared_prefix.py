@@ -127,19 +127,55 @@ def shared_prefix_requests(seed: int, vocab: int = 500):
     return waves
 
 
+@contextlib.contextmanager
+def stack_calls(record):
+    """decode_stack.py's kernel for the engines built inside, with record(lengths) called before each call of the
+    blocks, `lengths` each layer group's shared-prefix lengths (rows that read a shared prefix: > 0)."""
+    from core.chat import decode_stack
+
+    original = decode_stack.kernel
+    real = original()
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def gpt2_blocks(self, *args):
+            record([args[8]])
+            return real.gpt2_blocks(*args)
+
+        def nanochat_blocks(self, *args):
+            record(args[13])
+            return real.nanochat_blocks(*args)
+
+    spy = Spy()
+    decode_stack.kernel = lambda: spy
+    try:
+        yield
+    finally:
+        decode_stack.kernel = original
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["stack", "modules"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["nanochat", "modern", "gpt2"])
-def test_shared_prefix_attention_changes_no_token_or_logprob(arch, tokenizer, dtype):
+def test_shared_prefix_attention_changes_no_token_or_logprob(arch, tokenizer, dtype, fused):
     """An engine that reads shared prefixes once and one that does not give the same tokens and logprobs, in fp32
-    and bf16 alike; the first did group rows (a build or a bookkeeping fault that never groups fails here)."""
+    and bf16 alike, with the decode stack (which takes a small fp32 model's passes of up to 64 rows, bf16's of
+    two) and without it; the first did group rows (a build or a bookkeeping fault that never groups fails
+    here), in the attention kernel's calls or the stack's."""
     model = tiny_model(arch, tokenizer, seed=4, std=0.3).to(dtype)
-    on = LLMEngine(model, tokenizer, max_rows=12, prefill_chunk=64)
-    off = LLMEngine(model, tokenizer, max_rows=12, prefill_chunk=64, shared_prefix_attention=False)
-    assert on.shared_prefixes and not off.shared_prefixes
     grouped = []
     results = {}
-    for name, engine in (("on", on), ("off", off)):
-        with kernel_calls(lambda args: grouped.append((name, int((args[-1] > 0).sum())))):
+    for name, sharing in (("on", True), ("off", False)):
+        def record(lengths, name=name):
+            grouped.append((name, max([int((t > 0).sum()) for t in lengths], default=0)))
+
+        with stack_calls(record):
+            engine = LLMEngine(model, tokenizer, max_rows=12, prefill_chunk=64, shared_prefix_attention=sharing,
+                               fused_decode=fused)
+        assert engine.shared_prefixes is sharing and (engine.decode_stack is not None) is fused
+        with kernel_calls(lambda args, name=name: grouped.append((name, int((args[-1] > 0).sum())))):
             out = {}
             for wave in shared_prefix_requests(seed=5):
                 for rid, prompt, params in wave:

@@ -16,27 +16,33 @@ NONE = torch.empty(0, dtype=torch.long)
 
 
 @contextlib.contextmanager
-def kernel_calls(record):
-    """attention.py's kernel, with record(args) called before each decode_attention call."""
-    import core.chat.attention as attention
-
-    original = attention.kernel
+def spied(owner, **records):
+    """owner.kernel (a module's kernel getter) replaced, inside, by one whose functions named in `records` call
+    records[name](args) before the real one; everything else passes through."""
+    original = owner.kernel
     real = original()
 
     class Spy:
         def __getattr__(self, name):
-            return getattr(real, name)
-
-        def decode_attention(self, *args):
-            record(args)
-            return real.decode_attention(*args)
+            if name not in records:
+                return getattr(real, name)
+            fn = getattr(real, name)
+            return lambda *args: records[name](args) or fn(*args)
 
     spy = Spy()
-    attention.kernel = lambda: spy          # attention.py calls kernel() for every decode pass
+    owner.kernel = lambda: spy
     try:
         yield
     finally:
-        attention.kernel = original
+        owner.kernel = original
+
+
+def kernel_calls(record):
+    """attention.py's kernel, with record(args) called before each decode_attention call (attention.py calls
+    kernel() for every decode pass)."""
+    import core.chat.attention as attention
+
+    return spied(attention, decode_attention=record)
 
 
 def reference(q, K, V, tables, positions, window):
@@ -127,33 +133,13 @@ def shared_prefix_requests(seed: int, vocab: int = 500):
     return waves
 
 
-@contextlib.contextmanager
 def stack_calls(record):
     """decode_stack.py's kernel for the engines built inside, with record(lengths) called before each call of the
     blocks, `lengths` each layer group's shared-prefix lengths (rows that read a shared prefix: > 0)."""
     from core.chat import decode_stack
 
-    original = decode_stack.kernel
-    real = original()
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def gpt2_blocks(self, *args):
-            record([args[8]])
-            return real.gpt2_blocks(*args)
-
-        def nanochat_blocks(self, *args):
-            record(args[13])
-            return real.nanochat_blocks(*args)
-
-    spy = Spy()
-    decode_stack.kernel = lambda: spy
-    try:
-        yield
-    finally:
-        decode_stack.kernel = original
+    return spied(decode_stack, gpt2_blocks=lambda args: record([args[8]]),
+                 nanochat_blocks=lambda args: record(args[13]))
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["stack", "modules"])

@@ -32,9 +32,9 @@ from .quantized import Int8Linear
 # faster there at 4 streams; at 8 oneDNN's packed product made the modules as fast or faster); fp32 weights it
 # leaves unpacked (layers under packed.MIN_WEIGHT: a small model, whose modules multiply on MKL through F.linear):
 # MAX_ROWS, the stack calling MKL itself beyond the kernel's eight rows.
-ROWS = {(torch.float32, "int8"): 8, (torch.float32, "packed"): 4, (torch.float32, "dtype"): 64,
-        (torch.bfloat16, "int8"): 2, (torch.bfloat16, "packed"): 2, (torch.bfloat16, "dtype"): 2}
 MAX_ROWS = 64       # csrc/decode_stack.cpp's MAX_STACK_ROWS
+ROWS = {(torch.float32, "int8"): 8, (torch.float32, "packed"): 4, (torch.float32, "dtype"): MAX_ROWS,
+        (torch.bfloat16, "int8"): 2, (torch.bfloat16, "packed"): 2, (torch.bfloat16, "dtype"): 2}
 
 
 def weights_kind(model: nn.Module) -> str:

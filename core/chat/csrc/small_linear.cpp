@@ -213,9 +213,7 @@ static void product(const float* xp, int64_t M, int64_t K, const torch::Tensor& 
     // torch's product (MKL), then the scale and bias as the kernel applies them. x is copied into a tensor of
     // torch's allocator first (64-byte aligned): MKL documents that its results may depend on the input's
     // alignment, which a caller's buffer does not fix, and the same rows should give the same bits every step
-    auto xt = torch::empty({M, K}, torch::TensorOptions().dtype(at::kFloat));
-    std::memcpy(xt.data_ptr<float>(), xp, sizeof(float) * M * K);
-    auto y = at::mm(xt, w.t());
+    auto y = at::mm(torch::from_blob(const_cast<float*>(xp), {M, K}, at::kFloat).clone(), w.t());
     const float* yp = y.data_ptr<float>();
     at::parallel_for(0, N, BLOCK, [&](int64_t n0, int64_t n1) {
       for (int64_t r = 0; r < M; ++r)

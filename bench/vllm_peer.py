@@ -28,7 +28,9 @@ its venv, so that what each HTTP path keeps of its engine is in the same run.
 With `--serve-bench ... --servers ours before --before DIR` the same workloads run against this checkout's
 service and an earlier one's (a git worktree: started on this venv with DIR first on the Python path and its
 own kernel build), alternating: a before/after comparison of the project itself. `variant` is ours with
-`--deploy DEPLOYMENT.OPTION=VALUE` over the CPU config's deployments (e.g. `ChatModel.num_replicas=2`);
+`--deploy DEPLOYMENT.OPTION=VALUE` over the CPU config's deployments (e.g. `ChatModel.num_replicas=2`) and
+`--variant-set KEY=VALUE` over its application arguments (e.g. `chat_torch_threads=2`); `--concurrency` sets
+`vllm bench serve`'s requests at a time (32);
 `engine-1` and `engine-2` run this project's engine alone on each workload's prompts (the same shapes, 32 at a
 time, in a child process on 1 or 2 torch threads, no HTTP and no Ray): what the service could make if serving
 cost nothing.
@@ -253,13 +255,14 @@ SERVE_WORKLOADS = {
 }
 
 
-def serve_bench(python: str, url: str, model: str, tokenizer: Path, workload: str, work: Path) -> dict:
+def serve_bench(python: str, url: str, model: str, tokenizer: Path, workload: str, work: Path,
+                concurrency: int = 32) -> dict:
     """vLLM's own serving benchmark (`vllm bench serve`, from its venv) against the server at `url`: streamed
-    /v1/completions -> its result (output_throughput tokens/s, median_tpot_ms, median_ttft_ms, ...)."""
+    /v1/completions, `concurrency` requests at a time -> its result (output_throughput tokens/s, median_tpot_ms, median_ttft_ms, ...)."""
     name = f"{workload}-{model}-{time.monotonic_ns()}.json"
     argv = [python, "-c", VLLM_BENCH, "--backend", "openai", "--base-url", url, "--model", model,
             "--tokenizer", str(tokenizer), *SERVE_WORKLOADS[workload], "--num-prompts", "96",
-            "--max-concurrency", "32", "--ignore-eos", "--seed", "0", "--save-result", "--result-dir", str(work),
+            "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0", "--save-result", "--result-dir", str(work),
             "--result-filename", name]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=1800, start_new_session=True)
     if out.returncode != 0:
@@ -356,6 +359,7 @@ def main() -> None:
     p.add_argument("--vllm-python", required=True, help="the python of vLLM's own venv")
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=32, help="with --serve-bench: requests at a time")
     p.add_argument("--per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, nargs="+", default=[128, 32])
     p.add_argument("--json")
@@ -372,6 +376,8 @@ def main() -> None:
     p.add_argument("--deploy", action="append", default=[], metavar="DEPLOYMENT.OPTION=VALUE",
                    help="for the server 'variant' (ours with these): one of our deployments' options over "
                         "serve_config.cpu.yaml's, e.g. ChatModel.num_replicas=2")
+    p.add_argument("--variant-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="for the server 'variant': an application argument over --set's, e.g. chat_torch_threads=2")
     p.add_argument("--servers", nargs="+", default=["ours", "vllm"],
                    choices=("ours", "variant", "before", "vllm", "engine-1", "engine-2"),
                    help="with --serve-bench: which servers, in this order on odd runs (reversed on even ones); "
@@ -437,15 +443,16 @@ def serve_benches(args, overrides: dict, work: Path, ours_dir: Path, hf_dir: Pat
             elif name.startswith("engine-"):
                 server = None
             else:
-                server = start_ours(ours_dir, work, overrides,
-                                    deployments=deployment_overrides(args.deploy) if name == "variant" else None)
+                variant = name == "variant"
+                server = start_ours(ours_dir, work, {**overrides, **app_overrides(args.variant_set)} if variant
+                                    else overrides, deployments=deployment_overrides(args.deploy) if variant else None)
             try:
                 if server is not None:
                     server.wait_ready()
                 for w in args.serve_bench:
                     model = "peer" if name == "vllm" else ours_dir.name
                     r = (engine_alone(ours_dir, w, int(name.split("-")[1]), overrides["chat_dtype"]) if server is None
-                         else serve_bench(args.vllm_python, server.url, model, hf_dir, w, work))
+                         else serve_bench(args.vllm_python, server.url, model, hf_dir, w, work, args.concurrency))
                     results[w][name].append({k: r.get(k) for k in (
                         "output_throughput", "median_tpot_ms", "median_ttft_ms", "median_itl_ms", "p99_itl_ms",
                         "completed", "failed", "total_output_tokens")})

@@ -258,12 +258,13 @@ SERVE_WORKLOADS = {
 def serve_bench(python: str, url: str, model: str, tokenizer: Path, workload: str, work: Path,
                 concurrency: int = 32) -> dict:
     """vLLM's own serving benchmark (`vllm bench serve`, from its venv) against the server at `url`: streamed
-    /v1/completions, `concurrency` requests at a time -> its result (output_throughput tokens/s, median_tpot_ms, median_ttft_ms, ...)."""
+    /v1/completions, `concurrency` requests at a time -> its result (output_throughput tokens/s, median_tpot_ms,
+    median_ttft_ms, ...)."""
     name = f"{workload}-{model}-{time.monotonic_ns()}.json"
     argv = [python, "-c", VLLM_BENCH, "--backend", "openai", "--base-url", url, "--model", model,
             "--tokenizer", str(tokenizer), *SERVE_WORKLOADS[workload], "--num-prompts", "96",
-            "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0", "--save-result", "--result-dir", str(work),
-            "--result-filename", name]
+            "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0", "--save-result",
+            "--result-dir", str(work), "--result-filename", name]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=1800, start_new_session=True)
     if out.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed: {out.stderr[-2000:]}")
@@ -443,9 +444,11 @@ def serve_benches(args, overrides: dict, work: Path, ours_dir: Path, hf_dir: Pat
             elif name.startswith("engine-"):
                 server = None
             else:
-                variant = name == "variant"
-                server = start_ours(ours_dir, work, {**overrides, **app_overrides(args.variant_set)} if variant
-                                    else overrides, deployments=deployment_overrides(args.deploy) if variant else None)
+                app, deployments = overrides, None
+                if name == "variant":
+                    app = {**overrides, **app_overrides(args.variant_set)}
+                    deployments = deployment_overrides(args.deploy)
+                server = start_ours(ours_dir, work, app, deployments=deployments)
             try:
                 if server is not None:
                     server.wait_ready()

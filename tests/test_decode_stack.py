@@ -53,9 +53,9 @@ def run(model, fused: bool, steps: int = 6, dtype=torch.float32, rows=(0, 1, 2))
     return torch.stack(out)
 
 
-def run_many(model, fused: bool, n: int, steps: int = 4):
-    """`n` entries with prompts of their own (9 to 9 + n - 1 tokens), then `steps` decode passes of all of them,
-    each fed its own greedy token -> the passes' logits (steps, n, V)."""
+def run_many(model, fused: bool, n: int, steps: int = 4, threads: int = 0):
+    """`n` entries with prompts of their own (9 to 9 + n - 1 tokens), then `steps` decode passes of all of them
+    (on `threads` torch threads, if given), each fed its own greedy token -> the passes' logits (steps, n, V)."""
     cache = KVCache.for_model(model.config, 2 * n * len(KVCache.for_model(model.config, 1, BS).groups) + 1, BS)
     stack = decode_stack.prepare(model, cache) if fused else None
     g = torch.Generator().manual_seed(6)
@@ -67,13 +67,17 @@ def run_many(model, fused: bool, n: int, steps: int = 4):
             model(p[None], CacheBatch.build(cache, [tables[i]], [0], len(p)))
         pos = [len(p) for p in prompts]
         token, before = [torch.tensor(5 + i) for i in range(n)], [int(p[-1]) for p in prompts]
-        out = []
-        for _ in range(steps):
-            cb = CacheBatch.build(cache, tables, pos, 1, before if model.needs_previous else None, fused=stack)
-            logits = model(torch.stack(token)[:, None], cb, last=torch.zeros(n, dtype=torch.long))
-            out.append(logits)
-            for i in range(n):
-                before[i], token[i], pos[i] = int(token[i]), logits[i].argmax(), pos[i] + 1
+        out, was = [], torch.get_num_threads()
+        torch.set_num_threads(threads or was)
+        try:
+            for _ in range(steps):
+                cb = CacheBatch.build(cache, tables, pos, 1, before if model.needs_previous else None, fused=stack)
+                logits = model(torch.stack(token)[:, None], cb, last=torch.zeros(n, dtype=torch.long))
+                out.append(logits)
+                for i in range(n):
+                    before[i], token[i], pos[i] = int(token[i]), logits[i].argmax(), pos[i] + 1
+        finally:
+            torch.set_num_threads(was)
     return torch.stack(out)
 
 
@@ -140,6 +144,18 @@ def test_a_small_fp32_model_takes_the_stack_at_many_rows(tokenizer, arch, rows):
     spread = (want.max() - want.min()).item()
     assert (got - want).abs().max().item() <= 1e-5 * spread
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("weights,rows", [("dtype", 20), ("int8", 8)])
+def test_the_stack_computes_the_same_bits_on_one_thread_as_on_two(tokenizer, weights, rows):
+    """The stack splits its products and attention into items that either thread may take (the kernel's column
+    blocks, a single-threaded BLAS call per block beyond eight rows, attention's (group, head) items), so its
+    output (after the final norm; the tiny head is torch's product) is the same bit for bit on one thread as on
+    two: 20 rows of fp32 weights (BLAS), 8 of int8 (the kernel)."""
+    model = build("gpt2", tokenizer, weights=weights)
+    model.logits = lambda x: x.float()
+    assert decode_stack.prepare(model, KVCache.for_model(model.config, 8, BS)).rows >= rows
+    assert torch.equal(run_many(model, True, rows, threads=1), run_many(model, True, rows, threads=2))
 
 
 def test_packed_and_int8_weights_keep_the_stack_to_few_rows(tokenizer, monkeypatch):

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -198,24 +199,62 @@ static void run(int64_t R, const float* xf, const w_t* w, int64_t K, int64_t n0,
   }
 }
 
-constexpr int64_t BLOCK = 64;   // output columns per task
+constexpr int64_t BLOCK = 64;   // output columns per item
 
-// The product of M rows of fp32 x (M, K) by w (N, K; bf16, fp32 or int8) over the intra-op threads, split by
-// output columns: each output's sum [* sp[n]] [+ bp[n]] goes to store(r, n, value), once, from one thread. Up to
+// BLAS's single-precision product, as torch's CPU builds export it (MKL's, LP64); weak, so that a build without it
+// still loads and takes torch's product instead.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc) __attribute__((weak));
+
+// fn(i) for every item i in [0, n) over the intra-op threads, each thread taking the next item from a shared
+// counter (as cache_attention.cpp's decode kernel takes its items) rather than a fixed share: where another
+// process takes one of the cores for a while (the serving processes beside the engine), the thread left running
+// does the remaining items instead of waiting at the region's end for its twin's share. An item computes the same
+// bits whichever thread takes it.
+template <typename F>
+static void take_items(int64_t n, F&& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      fn(i);
+  });
+}
+
+// The product of M rows of fp32 x (M, K) by w (N, K; bf16, fp32 or int8), an item per BLOCK output columns
+// (take_items): each output's sum [* sp[n]] [+ bp[n]] goes to store(r, n, value), once, from one thread. Up to
 // eight rows the kernel's passes, and a row computes the same bits alone as in any such batch; more rows of an fp32
-// weight go to torch's product (MKL: at 16-32 rows of a small model's weights it was faster than the kernel's
-// passes, bench/README.md "The stack at many rows"), other weights eight rows a pass.
+// weight go to BLAS (MKL: at 16-32 rows of a small model's weights it was faster than the kernel's passes,
+// bench/README.md "The stack at many rows"), a single-threaded product per item (torch's whole product where the
+// build exports no sgemm_); other weights eight rows a pass.
 template <typename Store>
 static void product(const float* xp, int64_t M, int64_t K, const torch::Tensor& w, const float* sp, const float* bp,
                     Store&& store) {
-  const int64_t N = w.size(0);
+  const int64_t N = w.size(0), items = (N + BLOCK - 1) / BLOCK;
   if (M > 8 && w.scalar_type() == at::kFloat) {
-    // torch's product (MKL), then the scale and bias as the kernel applies them. x is copied into a tensor of
-    // torch's allocator first (64-byte aligned): MKL documents that its results may depend on the input's
-    // alignment, which a caller's buffer does not fix, and the same rows should give the same bits every step
-    auto y = at::mm(torch::from_blob(const_cast<float*>(xp), {M, K}, at::kFloat).clone(), w.t());
-    const float* yp = y.data_ptr<float>();
-    at::parallel_for(0, N, BLOCK, [&](int64_t n0, int64_t n1) {
+    // x is copied into a buffer of torch's allocator first (64-byte aligned): MKL documents that its results may
+    // depend on the input's alignment, which a caller's buffer does not fix, and the same rows should give the
+    // same bits every step
+    auto xa = torch::from_blob(const_cast<float*>(xp), {M, K}, at::kFloat).clone();
+    torch::Tensor y;
+    if (sgemm_ == nullptr) y = at::mm(xa, w.t());   // torch's product over its threads
+    else y = torch::empty({M, N}, at::kFloat);
+    const float *xa_p = xa.data_ptr<float>(), *wp = w.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    take_items(items, [&](int64_t i) {
+      const int64_t n0 = i * BLOCK, n1 = std::min(N, n0 + BLOCK);
+      if (sgemm_ != nullptr) {
+        // y's columns [n0, n1) = x . (w's rows [n0, n1))^T; in BLAS's column-major terms y^T's rows [n0, n1)
+        // are w_rows (K x nb, transposed) . x^T (K x M), leading dimensions K, K and N. Inside the threads'
+        // region MKL runs on the calling thread alone (with one worker, on torch's thread count: MKL's is set
+        // with it).
+        const int m = static_cast<int>(n1 - n0), n = static_cast<int>(M), k = static_cast<int>(K);
+        const int ld = static_cast<int>(K), ldc = static_cast<int>(N);
+        const float one = 1.f, zero = 0.f;
+        sgemm_("T", "N", &m, &n, &k, &one, wp + n0 * K, &ld, xa_p, &ld, &zero, yp + n0, &ldc);
+      }
       for (int64_t r = 0; r < M; ++r)
         for (int64_t n = n0; n < n1; ++n) {
           float v = yp[r * N + n];
@@ -226,8 +265,8 @@ static void product(const float* xp, int64_t M, int64_t K, const torch::Tensor& 
     });
     return;
   }
-  at::parallel_for(0, (N + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
-    const int64_t n0 = b0 * BLOCK, n1 = std::min(N, b1 * BLOCK), width = n1 - n0;
+  take_items(items, [&](int64_t i) {
+    const int64_t n0 = i * BLOCK, n1 = std::min(N, n0 + BLOCK), width = n1 - n0;
     std::vector<float> part(M * width);
     // eight rows of x at a time over the block's weight rows (the later passes read them from the cache)
     for (int64_t r0 = 0; r0 < M; r0 += 8) {

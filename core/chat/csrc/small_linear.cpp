@@ -267,7 +267,9 @@ static void product(const float* xp, int64_t M, int64_t K, const torch::Tensor& 
   }
   take_items(items, [&](int64_t i) {
     const int64_t n0 = i * BLOCK, n1 = std::min(N, n0 + BLOCK), width = n1 - n0;
-    std::vector<float> part(M * width);
+    // each thread's sums, kept between items and calls (the kernel writes every one it reads back)
+    thread_local std::vector<float> part;
+    if (static_cast<int64_t>(part.size()) < M * width) part.resize(M * width);
     // eight rows of x at a time over the block's weight rows (the later passes read them from the cache)
     for (int64_t r0 = 0; r0 < M; r0 += 8) {
       const int64_t R = std::min<int64_t>(8, M - r0);
